@@ -1,0 +1,92 @@
+"""The answers of a Policy: a name-stage Decision and an address-stage AddressDecision.
+
+Reason codes are stable snake_case strings shared by the audit log, metrics and the
+`X-Egress-Denied` header.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from policy.addresses import Verdict
+
+# Name stage, allowed.
+ALLOWED = "allowed"
+PLATFORM_DESTINATION = "platform_destination"
+# Name stage, denied (plus the hostnames codes ip_literal, invalid_host, loopback_name,
+# internal_name, single_label, and the urls codes invalid_target, unsupported_scheme,
+# invalid_port, ambiguous_path).
+BLOCKED = "blocked"
+NOT_ALLOWED = "not_allowed"
+OUTSIDE_CEILING = "outside_ceiling"
+PORT_NOT_ALLOWED = "port_not_allowed"
+PATH_NOT_ALLOWED = "path_not_allowed"
+INSPECTION_DISABLED = "inspection_disabled"
+INTERNAL_ERROR = "internal_error"
+# Address stage, denied (plus each address row's own reason when every address is refused).
+MIXED_ANSWER = "mixed_answer"
+NO_ADDRESSES = "no_addresses"
+BLOCKED_ADDRESS = "blocked_address"
+OUTSIDE_PLATFORM_CIDRS = "outside_platform_cidrs"
+INTERNAL_CNAME = "internal_cname"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The name stage: decided on the host (and port, scheme, path) before any DNS."""
+
+    allowed: bool
+    reason: str
+    message: str
+    host: str
+    port: int | None = None
+    rule: str | None = None  # where the deciding rule is written, e.g. "network.egress[2]"
+    ceiling: str | None = None  # the ceiling entry that admitted it, when a ceiling applies
+    needs_inspection: bool = False  # paths decide: the connection must go through L7
+    stage: str = "name"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "allowed": self.allowed,
+            "stage": self.stage,
+            "reason": self.reason,
+            "message": self.message,
+            "host": self.host,
+            "port": self.port,
+            "rule": self.rule,
+            "ceiling": self.ceiling,
+            "needs_inspection": self.needs_inspection,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class AddressDecision:
+    """The address stage: every address of one answer checked; refused whole if any fails."""
+
+    allowed: bool
+    reason: str
+    message: str
+    host: str
+    verdicts: tuple[Verdict, ...]
+    rule: str | None = None
+    stage: str = "address"
+
+    @property
+    def pinned(self) -> tuple[str, ...]:
+        """The checked addresses, in order: the only ones the proxy may connect to."""
+        return tuple(v.address for v in self.verdicts) if self.allowed else ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "allowed": self.allowed,
+            "stage": self.stage,
+            "reason": self.reason,
+            "message": self.message,
+            "host": self.host,
+            "rule": self.rule,
+            "addresses": [
+                {"address": v.address, "public": v.public, "reason": v.reason, "range": v.range}
+                for v in self.verdicts
+            ],
+        }

@@ -1,0 +1,266 @@
+"""Bytes to a Python value: YAML, TOML or JSON, with limits for hostile input.
+
+The loaders must never raise anything but PolicyError and must stay cheap on adversarial
+documents: a size cap, a NUL check, a nesting cap and a cap on what aliases expand to (a
+"billion laughs" document is a DAG that any naive walk or print expands exponentially).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from typing import Any, Literal
+
+import yaml
+
+from policy.errors import PolicyError
+
+Syntax = Literal["yaml", "toml", "json"]
+
+MAX_DOCUMENT_BYTES = 8 * 1024 * 1024
+MAX_DEPTH = 64
+# Aliases share one object when loaded, but anything that walks the value expands them.
+MAX_EXPANDED_NODES = 1_000_000
+
+_Loader: type = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def syntax_for(source: str) -> Syntax:
+    """The syntax a file name implies: `.toml`, `.json`, else YAML."""
+    lowered = source.lower()
+    if lowered.endswith(".toml"):
+        return "toml"
+    if lowered.endswith(".json"):
+        return "json"
+    return "yaml"
+
+
+def decode_text(data: bytes | str, source: str) -> str:
+    """UTF-8 text of a document, refusing what is not a text document at all."""
+    if isinstance(data, str):
+        text = data
+        if len(text) > MAX_DOCUMENT_BYTES:
+            raise _too_large(source, len(text.encode("utf-8", "surrogatepass")))
+    else:
+        if len(data) > MAX_DOCUMENT_BYTES:
+            raise _too_large(source, len(data))
+        nul = data.find(b"\0")
+        if nul >= 0:
+            raise PolicyError(
+                "binary_file",
+                f"NUL byte at offset {nul}: this is not a text document",
+                source=source,
+            )
+        try:
+            text = data.decode("utf-8-sig")
+        except UnicodeDecodeError as exc:
+            raise PolicyError(
+                "not_utf8",
+                f"not UTF-8 text (invalid byte at offset {exc.start}); save the file as UTF-8",
+                source=source,
+            ) from None
+    if "\0" in text:
+        raise PolicyError(
+            "binary_file",
+            f"NUL character at offset {text.index(chr(0))}: this is not a text document",
+            source=source,
+        )
+    if not text.strip():
+        raise PolicyError("empty_document", "the document is empty", source=source)
+    return text
+
+
+def _too_large(source: str, size: int) -> PolicyError:
+    return PolicyError(
+        "too_large",
+        f"{size} bytes is over the limit of {MAX_DOCUMENT_BYTES} bytes for a document",
+        source=source,
+    )
+
+
+def parse_document(data: bytes | str, source: str, syntax: Syntax | None = None) -> Any:
+    """Parse `data` (named `source` in messages) as `syntax`, or as its file name implies."""
+    text = decode_text(data, source)
+    syntax = syntax or syntax_for(source)
+    try:
+        if syntax == "toml":
+            return _parse_toml(text, source)
+        if syntax == "json":
+            return _parse_json(text, source)
+        return _parse_yaml(text, source)
+    except RecursionError:
+        raise PolicyError(
+            "too_deep",
+            f"nested deeper than this parser can follow (limit {MAX_DEPTH})",
+            source=source,
+        ) from None
+
+
+class _StrictLoader(_Loader):  # type: ignore[misc, valid-type]
+    """Safe YAML loading that refuses duplicate mapping keys.
+
+    With duplicates PyYAML keeps the last value silently; another parser may keep the first, so
+    the platform and this proxy could enforce different lists.
+    """
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                duplicate = key in seen
+                seen.add(key)
+            except TypeError:
+                duplicate = False  # unhashable keys are refused by the constructor below
+            if duplicate:
+                mark = key_node.start_mark
+                raise PolicyError(
+                    "duplicate_key",
+                    f"duplicate key {key!r}: a key may appear once in a mapping",
+                    line=mark.line + 1,
+                    column=mark.column + 1,
+                )
+        return super().construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(
+    "tag:yaml.org,2002:map",
+    lambda loader, node: loader.construct_mapping(node),
+)
+
+
+def _yaml_error(exc: yaml.YAMLError, source: str) -> PolicyError:
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    context = getattr(exc, "context", None)
+    detail = f"{context}: {problem}" if context else str(problem)
+    return PolicyError(
+        "yaml_syntax",
+        f"YAML syntax error: {detail}",
+        source=source,
+        line=mark.line + 1 if mark else None,
+        column=mark.column + 1 if mark else None,
+    )
+
+
+def _check_yaml_shape(text: str, source: str) -> None:
+    """Walk the event stream (flat, cheap) to refuse deep nesting, more than one document, and
+    documents whose aliases expand to more than MAX_EXPANDED_NODES nodes ("billion laughs")."""
+    depth = 0
+    documents = 0
+    counts: list[int] = [0]  # expanded node count of each open collection
+    anchors: list[str | None] = []
+    sizes: dict[str, int] = {}
+
+    def refuse(reason: str, message: str, event: yaml.Event) -> PolicyError:
+        mark = event.start_mark
+        return PolicyError(
+            reason, message, source=source, line=mark.line + 1, column=mark.column + 1
+        )
+
+    for event in yaml.parse(text, Loader=_Loader):
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise refuse("too_deep", f"nested more than {MAX_DEPTH} levels deep", event)
+            counts.append(0)
+            anchors.append(event.anchor)
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+            size = counts.pop() + 1
+            anchor = anchors.pop()
+            if anchor is not None:
+                sizes[anchor] = size
+            counts[-1] += size
+        elif isinstance(event, yaml.ScalarEvent):
+            counts[-1] += 1
+            if event.anchor is not None:
+                sizes[event.anchor] = 1
+        elif isinstance(event, yaml.AliasEvent):
+            counts[-1] += sizes.get(event.anchor, 1)
+        elif isinstance(event, yaml.DocumentStartEvent):
+            documents += 1
+            if documents > 1:
+                raise refuse(
+                    "multiple_documents",
+                    "more than one YAML document ('---'): a manifest is one document",
+                    event,
+                )
+        if counts[0] > MAX_EXPANDED_NODES or (len(counts) > 1 and counts[-1] > MAX_EXPANDED_NODES):
+            raise refuse(
+                "alias_bomb",
+                f"aliases (*name) expand this document to more than "
+                f"{MAX_EXPANDED_NODES} values: refused as an alias bomb",
+                event,
+            )
+
+
+def _parse_yaml(text: str, source: str) -> Any:
+    try:
+        _check_yaml_shape(text, source)
+        return yaml.load(text, Loader=_StrictLoader)
+    except PolicyError as exc:
+        exc.source = source
+        raise
+    except yaml.YAMLError as exc:
+        raise _yaml_error(exc, source) from None
+    except (ValueError, TypeError, OverflowError) as exc:
+        # The safe constructor raises these for values such as an unhashable key or a
+        # timestamp out of range.
+        raise PolicyError("yaml_value", f"YAML value error: {exc}", source=source) from None
+
+
+_TOML_POSITION = re.compile(r"\(at line (\d+), column (\d+)\)")
+
+
+def _parse_toml(text: str, source: str) -> Any:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        message = str(exc)
+        line = getattr(exc, "lineno", None)
+        column = getattr(exc, "colno", None)
+        match = _TOML_POSITION.search(message)
+        if match and line is None:
+            line, column = int(match.group(1)), int(match.group(2))
+        detail = getattr(exc, "msg", None) or _TOML_POSITION.sub("", message).strip()
+        raise PolicyError(
+            "toml_syntax", f"TOML syntax error: {detail}", source=source, line=line, column=column
+        ) from None
+
+
+def _pairs_without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"duplicate key {key!r}: a key may appear once in an object")
+        result[key] = value
+    return result
+
+
+def _parse_json(text: str, source: str) -> Any:
+    try:
+        return json.loads(text, object_pairs_hook=_pairs_without_duplicates)
+    except json.JSONDecodeError as exc:
+        raise PolicyError(
+            "json_syntax",
+            f"JSON syntax error: {exc.msg}",
+            source=source,
+            line=exc.lineno,
+            column=exc.colno,
+        ) from None
+    except ValueError as exc:
+        raise PolicyError("duplicate_key", str(exc), source=source) from None
+
+
+def require_mapping(value: Any, source: str, what: str) -> dict[str, Any]:
+    """The top level of a manifest, ceiling or config must be a mapping with string keys."""
+    if not isinstance(value, dict):
+        kind = "nothing" if value is None else f"a {type(value).__name__}"
+        raise PolicyError(
+            "not_a_mapping",
+            f"the top level of {what} must be a mapping, found {kind}",
+            source=source,
+        )
+    return value

@@ -1,0 +1,59 @@
+"""Findings: what validation says about one place in a document."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Severity = Literal["error", "warning"]
+
+_MAX_TEXT = 200
+
+
+def describe_value(value: Any) -> Any:
+    """A bounded, JSON-safe rendering of a document value for messages and `--json`.
+
+    Values come from hostile documents: a string may be megabytes long and a list may be the
+    root of an alias bomb, so nothing here walks into containers.
+    """
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    if isinstance(value, str):
+        return value if len(value) <= _MAX_TEXT else value[:_MAX_TEXT] + "…"
+    if isinstance(value, list | tuple):
+        return f"<list of {len(value)} items>"
+    if isinstance(value, dict):
+        return f"<mapping of {len(value)} keys>"
+    return f"<{type(value).__name__}>"
+
+
+def quote(value: Any) -> str:
+    """`value` as it appears inside a message: a repr of the bounded rendering."""
+    shown = describe_value(value)
+    return repr(shown) if isinstance(shown, str) and not shown.startswith("<") else str(shown)
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One problem at one place: `path` is like `network.egress[2]`, `file` the document."""
+
+    path: str
+    value: Any
+    reason: str
+    message: str
+    severity: Severity = "error"
+    file: str | None = None
+
+    @property
+    def is_error(self) -> bool:
+        return self.severity == "error"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "value": describe_value(self.value),
+            "reason": self.reason,
+            "message": self.message,
+            "severity": self.severity,
+            "file": self.file,
+        }

@@ -1,0 +1,30 @@
+"""What the operator of a session adds to a policy: address rules, platform destinations,
+a port allow-list, inspection, and extra internal name suffixes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from policy.addresses import AddressRules
+from policy.rules import Network
+
+
+@dataclass(frozen=True, slots=True)
+class PlatformDestination:
+    """A route the platform itself needs (model gateway, connector routes): always allowed on
+    its ports, never declarable in a manifest. With `cidrs`, its addresses must fall in them,
+    and there only the non-public-address rule gives way (never metadata or operator deny)."""
+
+    id: str  # "platform_destinations[0]"
+    host: str
+    ports: frozenset[int]
+    cidrs: tuple[Network, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class OperatorRules:
+    addresses: AddressRules = field(default_factory=AddressRules)
+    platform_destinations: tuple[PlatformDestination, ...] = ()
+    ports: frozenset[int] | None = None  # None: any destination port
+    inspection_enabled: bool = True
+    internal_suffixes: tuple[str, ...] = ()
