@@ -1,25 +1,35 @@
-# The two commands of the README: `make run` and `make test`. Both create .venv on first use.
+# The two commands of the README: `make run` and `make test`. Both set up .venv on first use
+# (and bring it up to date when pyproject.toml changes).
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: run test lint bench-policy clean
 
-$(STAMP): pyproject.toml scripts/find-python
+CREATED := $(VENV)/.created
+
+# A stamp file, not bin/python: that is a symlink, and make would read the interpreter's age.
+$(CREATED):
 	@py=$$(scripts/find-python) || exit 1; \
 	  echo "creating $(VENV) with $$py"; \
 	  rm -rf $(VENV) && "$$py" -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	@touch $(CREATED)
+
+$(STAMP): $(CREATED) pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	@touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/egress-proxy check examples/agent.yaml --ceiling examples/ceiling.yaml --config examples/config.yaml
-	$(VENV)/bin/egress-proxy explain examples/agent.yaml --ceiling examples/ceiling.yaml --config examples/config.yaml \
-	  api.github.com https://pypi.org/simple/ example.org 127.1
+	$(VENV)/bin/egress-proxy check examples/agent.yaml --ceiling examples/ceiling.yaml \
+	  --config examples/config.yaml
+	$(VENV)/bin/egress-proxy explain examples/agent.yaml --ceiling examples/ceiling.yaml \
+	  --config examples/config.yaml --resolve pypi.org=151.101.0.223,10.0.0.7 \
+	  api.github.com https://pypi.org/simple/ example.org 127.1 localhost:8080
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check policy proxy tests benchmarks
+	$(VENV)/bin/ruff format --check policy proxy tests benchmarks
 	$(PY) -m pytest
 
 lint: $(STAMP)
@@ -30,4 +40,4 @@ bench-policy: $(STAMP)
 	$(PY) benchmarks/policy_decide.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .ruff_cache
