@@ -33,6 +33,9 @@ from policy.urls import (
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
+# Which trie slot holds a rule of each kind.
+_ALLOW_SLOT = {"subtree": "subtree", "exact": "exact", "url": "urls"}
+_BLOCK_SLOT = {"subtree": "block_subtree", "exact": "block_exact", "url": "block_urls"}
 # Verdicts that a platform destination's CIDRs never excuse.
 _NEVER_EXEMPT = frozenset({"metadata", "operator_deny", "invalid_address"})
 
@@ -168,16 +171,16 @@ class Policy:
         self.grants = tuple(_intersect((r for r in allows if r.kind != "address"), ceiling))
         self._trie: SuffixTrie[Grant] = SuffixTrie()
         for grant in self.grants:
-            slot = {"subtree": "subtree", "exact": "exact", "url": "urls"}[grant.rule.kind]
-            self._trie.add(grant.host, slot, grant)
+            self._trie.add(grant.host, _ALLOW_SLOT[grant.rule.kind], grant)
         self.blocks = tuple(blocks)
         self._blocked_networks: list[Rule] = []
         for rule in blocks:
             if rule.kind == "address":
                 self._blocked_networks.append(rule)
             else:
-                slot = {"subtree": "block_subtree", "exact": "block_exact", "url": "block_urls"}
-                self._trie.add(rule.host or "", slot[rule.kind], Grant(rule.host or "", rule))
+                self._trie.add(
+                    rule.host or "", _BLOCK_SLOT[rule.kind], Grant(rule.host or "", rule)
+                )
         # An address allow is admitted only where no hostname ceiling is configured.
         self._allowed_literals: dict[Address, Rule] = {}
         if ceiling is None:
@@ -190,8 +193,7 @@ class Policy:
             self._declared = SuffixTrie()
             for rule in allows:
                 if rule.host is not None:
-                    slot = {"subtree": "subtree", "exact": "exact", "url": "urls"}[rule.kind]
-                    self._declared.add(rule.host, slot, rule)
+                    self._declared.add(rule.host, _ALLOW_SLOT[rule.kind], rule)
         self._platform = {p.host: p for p in operator.platform_destinations}
         self._internal = operator.internal_suffixes
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-SLOTS = ("exact", "subtree", "block_exact", "block_subtree", "urls", "block_urls")
-
 
 class _Node[T]:
     __slots__ = (
