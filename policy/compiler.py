@@ -26,9 +26,9 @@ from policy.urls import (
     RULE_SCHEME,
     TLS_SCHEMES,
     Target,
-    normalize_path,
     parse_target,
     path_has_prefix,
+    path_views,
 )
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -295,19 +295,19 @@ class Policy:
             )
         scheme = RULE_SCHEME.get(target.scheme) if target.scheme else None
         block_urls = [g.rule for g in match.block_urls or () if _port_fits(g.rule, scheme, port)]
-        path = normalize_path(target.path) if target.path is not None else None
-        if path is not None:
-            lowered = path.lower()  # blocks match case-blind: some servers are
-            for rule in block_urls:
-                if path_has_prefix(lowered, (rule.path or "/").lower()):
-                    return Decision(
-                        False,
-                        d.BLOCKED,
-                        f"{host}{path} is blocked by {rule.id} {quote(rule.pattern)}",
-                        host,
-                        port,
-                        rule.id,
-                    )
+        views = path_views(target.path) if target.path is not None else ()
+        path = views[0] if views else None
+        for rule in block_urls:
+            prefix = (rule.path or "/").lower()  # blocks match case-blind: some servers do
+            if any(path_has_prefix(view.lower(), prefix) for view in views):
+                return Decision(
+                    False,
+                    d.BLOCKED,
+                    f"{host}{path} is blocked by {rule.id} {quote(rule.pattern)}",
+                    host,
+                    port,
+                    rule.id,
+                )
         grant = (match.exact or match.subtree or [None])[0]
         tls = target.scheme is None or target.scheme in TLS_SCHEMES
         if grant is not None:
@@ -317,9 +317,12 @@ class Policy:
         if urls and path is None:
             return self._allow(host, port, urls[0], tls, " (paths are decided per request)")
         if urls and path is not None:
-            for g in urls:
-                if path_has_prefix(path, g.rule.path or "/"):
-                    return self._allow(host, port, g, tls, "")
+            admitting = [
+                next((g for g in urls if path_has_prefix(view, g.rule.path or "/")), None)
+                for view in views
+            ]
+            if all(admitting):
+                return self._allow(host, port, admitting[0], tls, "")  # type: ignore[arg-type]
             prefixes = ", ".join(quote(g.rule.pattern) for g in urls[:3])
             return Decision(
                 False,

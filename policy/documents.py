@@ -128,6 +128,12 @@ _StrictLoader.add_constructor(
     "tag:yaml.org,2002:map",
     lambda loader, node: loader.construct_mapping(node),
 )
+# Dates are read as the text written: no manifest field we read is a date, and an impossible date
+# under a key that is not ours ('released: 2024-02-30') must not fail the whole document.
+_StrictLoader.add_constructor(
+    "tag:yaml.org,2002:timestamp",
+    lambda loader, node: loader.construct_scalar(node),
+)
 
 
 def _yaml_error(exc: yaml.YAMLError, source: str) -> PolicyError:
@@ -211,7 +217,8 @@ def _parse_yaml(text: str, source: str) -> Any:
         raise PolicyError("yaml_value", f"YAML value error: {exc}", source=source) from None
 
 
-_TOML_POSITION = re.compile(r"\(at line (\d+), column (\d+)\)")
+_TOML_POSITION = re.compile(r"\s*\(at line (\d+), column (\d+)\)")
+_TOML_END = re.compile(r"\s*\(at end of document\)")
 
 
 def _parse_toml(text: str, source: str) -> Any:
@@ -224,7 +231,10 @@ def _parse_toml(text: str, source: str) -> Any:
         match = _TOML_POSITION.search(message)
         if match and line is None:
             line, column = int(match.group(1)), int(match.group(2))
-        detail = getattr(exc, "msg", None) or _TOML_POSITION.sub("", message).strip()
+        elif line is None and "end of document" in message:
+            line = text.count("\n") + 1
+            column = len(text) - (text.rfind("\n") + 1) + 1
+        detail = getattr(exc, "msg", None) or _TOML_END.sub("", _TOML_POSITION.sub("", message))
         raise PolicyError(
             "toml_syntax", f"TOML syntax error: {detail}", source=source, line=line, column=column
         ) from None

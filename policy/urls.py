@@ -92,7 +92,17 @@ def parse_target(text: str) -> Target:
     return Target(host=host, port=port, scheme=scheme, path=path)
 
 
-def normalize_path(path: str) -> str:
+def path_views(path: str) -> tuple[str, ...]:
+    """Every reading of `path` a prefix rule must agree with: the normalised path, and when it
+    has `;parameters`, the normalised path with them dropped (Tomcat and Spring drop them before
+    resolving `..`). An allow must admit every view; a block refuses if any view matches."""
+    plain = normalize_path(path)
+    if ";" not in path:
+        return (plain,)
+    return plain, normalize_path(path, drop_parameters=True)
+
+
+def normalize_path(path: str, *, drop_parameters: bool = False) -> str:
     """The path a prefix rule is compared with, or PolicyError('ambiguous_path').
 
     Percent-encoded unreserved characters are decoded, other escapes upper-cased, runs of `/`
@@ -133,6 +143,8 @@ def normalize_path(path: str) -> str:
     for segment in segments[1:]:
         if segment.startswith((".;", "..;")):
             raise PolicyError("ambiguous_path", f"dot segment with parameters in {path[:100]!r}")
+        if drop_parameters:
+            segment = segment.split(";", 1)[0]
         if segment == "..":
             if resolved:
                 resolved.pop()

@@ -170,6 +170,8 @@ URL = toml_policy(["https://api.acme.com/v1/", "http://plain.acme.com/p"])
         ("https://api.acme.com/v1/%2e%2e/admin", False, "path_not_allowed", False),
         ("https://api.acme.com/v1/..%2fadmin", False, "ambiguous_path", False),
         ("https://api.acme.com/v1/..;/admin", False, "ambiguous_path", False),
+        ("https://api.acme.com/v1/;/../admin", False, "path_not_allowed", False),
+        ("https://api.acme.com/v1/a;b=c/d", True, "allowed", True),
         ("http://api.acme.com/v1/", False, "not_allowed", False),
         ("http://plain.acme.com/p/x", True, "allowed", False),
         ("http://plain.acme.com/px", False, "path_not_allowed", False),
@@ -203,6 +205,7 @@ def test_blocked_url_prefix_on_an_allowed_host() -> None:
     assert policy.decide("https://api.acme.com/admin/users").reason == "blocked"
     assert policy.decide("https://api.acme.com/ADMIN/users").reason == "blocked"
     assert policy.decide("https://api.acme.com/x/../admin/").reason == "blocked"
+    assert policy.decide("https://api.acme.com/admin;jsessionid=1/users").reason == "blocked"
     assert policy.decide("https://api.acme.com/public").allowed
     assert policy.decide("www.acme.com:443").needs_inspection is False
 

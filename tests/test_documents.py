@@ -95,3 +95,15 @@ def test_accepts_a_few_aliases() -> None:
 def test_arbitrary_bytes_raise_only_policy_error(data: bytes, source: str) -> None:
     with contextlib.suppress(PolicyError):
         parse_document(data, source)
+
+
+def test_dates_are_read_as_written() -> None:
+    # An impossible date under a key that is not ours must not fail the document.
+    assert parse_document(b"released: 2024-02-30\n", "m.yaml") == {"released": "2024-02-30"}
+
+
+def test_toml_error_at_the_very_end_still_has_a_position() -> None:
+    with pytest.raises(PolicyError) as info:
+        parse_document(b'[network_access]\nallowed = ["a.com"', "agent.toml")
+    assert (info.value.line, info.value.column) == (2, 19)
+    assert "end of document" not in info.value.message

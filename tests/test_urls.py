@@ -3,7 +3,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from policy import PolicyError
-from policy.urls import Target, normalize_path, parse_target, path_has_prefix
+from policy.urls import Target, normalize_path, parse_target, path_has_prefix, path_views
 
 
 @pytest.mark.parametrize(
@@ -130,3 +130,16 @@ def test_parse_target_refuses(text: str, reason: str) -> None:
     with pytest.raises(PolicyError) as info:
         parse_target(text)
     assert info.value.reason == reason
+
+
+@pytest.mark.parametrize(
+    ("path", "views"),
+    [
+        ("/api/x", ("/api/x",)),
+        ("/api/secret;jsessionid=1/data", ("/api/secret;jsessionid=1/data", "/api/secret/data")),
+        ("/api/;/../admin", ("/api/admin", "/admin")),
+        ("/a;b", ("/a;b", "/a")),
+    ],
+)
+def test_path_views_cover_servers_that_drop_parameters(path: str, views: tuple[str, ...]) -> None:
+    assert path_views(path) == views
