@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import stat
 import sys
+import unicodedata
 from collections.abc import Sequence
 from typing import Any, NoReturn, TextIO
 
 from policy import (
     Ceiling,
+    Finding,
     Manifest,
     Policy,
     PolicyError,
@@ -24,6 +29,7 @@ from policy import (
     compile_policy,
     load_ceiling,
     load_manifest,
+    parse_address,
 )
 from policy.documents import MAX_DOCUMENT_BYTES
 from policy.hostnames import normalize_host, parse_ip_literal
@@ -51,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
             )
             p.add_argument("--ceiling", metavar="FILE", help="the tenant ceiling (YAML or JSON)")
             p.add_argument("--format", choices=FORMATS, help="override format detection")
-        p.add_argument("--config", metavar="FILE", help="operator config (YAML)")
+        p.add_argument("--config", metavar="FILE", help="operator config (YAML or JSON)")
         p.add_argument("--json", action="store_true", help="machine-readable output")
 
     check = sub.add_parser("check", help="validate a manifest against the grammar and ceiling")
@@ -77,22 +83,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _too_large(source: str, size: int | None) -> PolicyError:
+    what = f"{size} bytes is" if size is not None else "it is"
+    return PolicyError(
+        "too_large",
+        f"{what} over the limit of {MAX_DOCUMENT_BYTES} bytes "
+        f"({MAX_DOCUMENT_BYTES // (1024 * 1024)} MiB) for a document",
+        source=source,
+    )
+
+
 def read_input(path: str) -> bytes:
     """A file's bytes, bounded: a hostile 50 MB manifest is refused without reading it all."""
+    source = _source(path)
     try:
         if path == "-":
             data = sys.stdin.buffer.read(MAX_DOCUMENT_BYTES + 1)
         else:
             with open(path, "rb") as handle:
+                info = os.fstat(handle.fileno())
+                if stat.S_ISDIR(info.st_mode):
+                    raise IsADirectoryError(21, "Is a directory")
+                # A regular file says its size: refuse a big one before reading a byte of it.
+                if stat.S_ISREG(info.st_mode) and info.st_size > MAX_DOCUMENT_BYTES:
+                    raise _too_large(source, info.st_size)
                 data = handle.read(MAX_DOCUMENT_BYTES + 1)
     except OSError as exc:
         raise PolicyError(
-            "unreadable", f"cannot read: {exc.strerror or exc}", source=path
+            "unreadable", f"cannot read: {exc.strerror or exc}", source=source
         ) from None
     if len(data) > MAX_DOCUMENT_BYTES:
-        raise PolicyError(
-            "too_large", f"larger than the limit of {MAX_DOCUMENT_BYTES} bytes", source=path
-        )
+        raise _too_large(source, None)
     return data
 
 
@@ -103,10 +124,24 @@ def _source(path: str) -> str:
 def _load_config(args: argparse.Namespace) -> Config:
     if not args.config:
         return Config()
-    return load_config(read_input(args.config), source=args.config)
+    return load_config(read_input(args.config), source=_source(args.config))
+
+
+def _check_stdin(args: argparse.Namespace) -> None:
+    named = [
+        f"--{name}" if name != "manifest" else "MANIFEST"
+        for name in ("manifest", "ceiling", "config")
+        if getattr(args, name, None) == "-"
+    ]
+    if len(named) > 1:
+        # The second reader would see an empty stream and report a misleading "empty document".
+        raise PolicyError(
+            "usage", f"only one input can come from stdin ('-'), not {' and '.join(named)}"
+        )
 
 
 def _load_inputs(args: argparse.Namespace) -> tuple[Manifest, Ceiling | None, Config]:
+    _check_stdin(args)
     config = _load_config(args)
     suffixes = config.operator.internal_suffixes
     manifest = load_manifest(
@@ -118,7 +153,7 @@ def _load_inputs(args: argparse.Namespace) -> tuple[Manifest, Ceiling | None, Co
     ceiling = None
     if args.ceiling:
         ceiling = load_ceiling(
-            read_input(args.ceiling), source=args.ceiling, internal_suffixes=suffixes
+            read_input(args.ceiling), source=_source(args.ceiling), internal_suffixes=suffixes
         )
     return manifest, ceiling, config
 
@@ -127,7 +162,38 @@ def _print_json(value: Any, out: TextIO) -> None:
     out.write(json.dumps(value, indent=2, ensure_ascii=False) + "\n")
 
 
+_UNPRINTABLE = re.compile(r"[^\t -~]")
+
+
+def _escape(match: re.Match[str]) -> str:
+    ch = match.group()
+    # Control, format (bidi overrides) and separator characters could rewrite a terminal or
+    # reorder a line: a hostile manifest's key names reach these tables and messages.
+    if unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"):
+        return ch.encode("unicode_escape").decode("ascii")
+    return ch
+
+
+def printable(text: str) -> str:
+    """`text` safe for a terminal: invisible and control characters spelled as escapes."""
+    if text.isascii() and text.isprintable():
+        return text
+    return _UNPRINTABLE.sub(_escape, text)
+
+
+# A person reads the tables; a hostile or generated document can hold a million findings or
+# rules, which `--json` still lists in full.
+MAX_TABLE_ROWS = 1000
+
+
+def _more(items: Sequence[Any], what: str, out: TextIO) -> None:
+    if len(items) > MAX_TABLE_ROWS:
+        hidden = len(items) - MAX_TABLE_ROWS
+        out.write(f"  … and {hidden} more {what} (--json lists them all)\n")
+
+
 def _table(rows: Sequence[Sequence[str]], out: TextIO, indent: str = "  ") -> None:
+    rows = [[printable(cell) for cell in row] for row in rows]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     for row in rows:
         cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
@@ -137,9 +203,17 @@ def _table(rows: Sequence[Sequence[str]], out: TextIO, indent: str = "  ") -> No
 # -- check ---------------------------------------------------------------------------------
 
 
+_INDEX = re.compile(r"(\d+)")
+
+
+def _document_order(finding: Finding) -> list[Any]:
+    """Findings sorted as their places appear in the document: `egress[2]` before `egress[10]`."""
+    return [int(part) if part.isdigit() else part for part in _INDEX.split(finding.path)]
+
+
 def cmd_check(args: argparse.Namespace, out: TextIO) -> int:
     manifest, ceiling, config = _load_inputs(args)
-    findings = check_manifest(manifest, ceiling, config.operator)
+    findings = sorted(check_manifest(manifest, ceiling, config.operator), key=_document_order)
     ok = not any(f.is_error for f in findings)
     rules: list[dict[str, Any]] = []
     if manifest.ok:
@@ -160,26 +234,28 @@ def cmd_check(args: argparse.Namespace, out: TextIO) -> int:
     warnings = len(findings) - errors
     verdict = "valid" if ok else "INVALID"
     out.write(
-        f"{manifest.source} ({manifest.format}, egress mode {manifest.mode}): {verdict}, "
-        f"{errors} error(s), {warnings} warning(s)\n"
+        f"{printable(manifest.source)} ({manifest.format}, egress mode {manifest.mode}): "
+        f"{verdict}, {errors} error(s), {warnings} warning(s)\n"
     )
     if findings:
         out.write("findings:\n")
         _table(
             [("SEVERITY", "PATH", "REASON", "MESSAGE")]
-            + [(f.severity, f.path, f.reason, f.message) for f in findings],
+            + [(f.severity, f.path, f.reason, f.message) for f in findings[:MAX_TABLE_ROWS]],
             out,
         )
+        _more(findings, "findings", out)
     if rules:
         out.write("effective rules:\n")
         _table(
             [("ACTION", "KIND", "HOST", "RULE", "CEILING")]
             + [
                 (r["action"], r["kind"], _rule_target(r), r["rule"], r.get("ceiling") or "-")
-                for r in rules
+                for r in rules[:MAX_TABLE_ROWS]
             ],
             out,
         )
+        _more(rules, "rules", out)
     elif manifest.ok:
         out.write("effective rules: none (every destination but platform routes is refused)\n")
     return EXIT_OK if ok else EXIT_FINDINGS
@@ -200,12 +276,25 @@ def _rule_target(rule: dict[str, Any]) -> str:
 def _parse_resolve(values: Sequence[str]) -> dict[str, list[str]]:
     table: dict[str, list[str]] = {}
     for value in values:
-        host, sep, addresses = value.partition("=")
-        if not sep or not host or not addresses:
-            raise PolicyError("usage", f"--resolve {value!r}: write HOST=ADDR[,ADDR...]")
+        shown = repr(value[:100])
+        host, sep, answer = value.partition("=")
+        if not sep or not host or not answer:
+            raise PolicyError("usage", f"--resolve {shown}: write HOST=ADDR[,ADDR...]")
         literal = parse_ip_literal(host)
-        key = str(literal) if literal is not None else normalize_host(host)
-        table.setdefault(key, []).extend(a.strip() for a in addresses.split(","))
+        try:
+            key = str(literal) if literal is not None else normalize_host(host)
+        except PolicyError as exc:
+            raise PolicyError("usage", f"--resolve {shown}: {exc.message}") from None
+        addresses = [a.strip() for a in answer.split(",")]
+        # A DNS answer only ever holds addresses: anything else here is a typo, and checking it
+        # would report a refusal the running proxy could never make.
+        bad = next((a for a in addresses if parse_address(a) is None), None)
+        if bad is not None:
+            raise PolicyError(
+                "usage",
+                f"--resolve {shown}: {bad!r} is not an IP address; write HOST=ADDR[,ADDR...]",
+            )
+        table.setdefault(key, []).extend(addresses)
     return table
 
 
@@ -224,7 +313,9 @@ def explain_target(policy: Policy, target: str, resolved: dict[str, list[str]]) 
     result.update(
         allowed=checked["allowed"],
         stage="address",
-        reason=checked["reason"],
+        # An accepted answer adds nothing to why the name was admitted (`platform_destination`
+        # says more than `allowed`); a refused one is the reason.
+        reason=checked["reason"] if not checked["allowed"] else decision.reason,
         message=checked["message"] if not checked["allowed"] else decision.message,
         addresses=checked["addresses"],
     )
@@ -286,11 +377,26 @@ def cmd_classify(args: argparse.Namespace, out: TextIO) -> int:
 COMMANDS = {"check": cmd_check, "explain": cmd_explain, "classify": cmd_classify}
 
 
-def _report(exc: PolicyError, args: argparse.Namespace, out: TextIO) -> None:
-    sys.stderr.write(f"egress-proxy: {exc}\n")
-    for detail in exc.details[1:] if len(exc.details) > 1 else ():
-        where = f"{detail.file}: " if detail.file else ""
-        sys.stderr.write(f"  {where}{detail.path}: {detail.message}\n")
+_HEADLINES = {
+    "invalid_manifest": "invalid manifest",
+    "invalid_ceiling": "invalid ceiling",
+    "invalid_config": "invalid config",
+}
+
+
+def _report(exc: PolicyError, args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
+    if exc.details:
+        # The exception's own message lists only the first few problems, run together; a
+        # person fixing the file wants every one, one per line.
+        where = f"{exc.source}: " if exc.source else ""
+        headline = _HEADLINES.get(exc.reason, exc.reason.replace("_", " "))
+        count = len(exc.details)
+        err.write(printable(f"egress-proxy: {where}{headline}, {count} problem(s):") + "\n")
+        for detail in exc.details[:MAX_TABLE_ROWS]:
+            err.write(printable(f"  {detail.path}: {detail.message}") + "\n")
+        _more(exc.details, "problems", err)
+    else:
+        err.write(printable(f"egress-proxy: {exc}") + "\n")
     if getattr(args, "json", False):
         _print_json(
             {
@@ -308,23 +414,38 @@ def _report(exc: PolicyError, args: argparse.Namespace, out: TextIO) -> None:
         )
 
 
-def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
+def main(
+    argv: Sequence[str] | None = None, out: TextIO | None = None, err: TextIO | None = None
+) -> int:
+    """Run one command; returns the exit code (usage errors too, so callers in-process need
+    not catch SystemExit). `out` and `err` default to the process's stdout and stderr."""
     out = out or sys.stdout
-    args = build_parser().parse_args(argv)
+    err = err or sys.stderr
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # argparse: --help (0) or a usage error (2), already printed
+        return exc.code if isinstance(exc.code, int) else EXIT_INPUT
     try:
         return COMMANDS[args.command](args, out)
     except PolicyError as exc:
-        _report(exc, args, out)
+        _report(exc, args, out, err)
         # A manifest that parses but does not compile is a findings problem, not bad input.
         return EXIT_FINDINGS if exc.reason == "invalid_manifest" else EXIT_INPUT
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
+        if out is sys.stdout:
+            # The reader went away (`| head`): stop Python's exit-time flush from failing again
+            # and printing a traceback-like "Exception ignored" to stderr.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
     except Exception as exc:
-        sys.stderr.write(
-            f"egress-proxy: internal error ({type(exc).__name__}: {exc}); "
-            "please report it with the input that caused it\n"
+        err.write(
+            printable(
+                f"egress-proxy: internal error ({type(exc).__name__}: {str(exc)[:200]}); "
+                "please report it with the input that caused it"
+            )
+            + "\n"
         )
         return EXIT_INTERNAL
 

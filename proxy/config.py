@@ -1,5 +1,6 @@
-"""The operator config (YAML): DNS, address rules, platform destinations, ports, inspection,
-limits. Scripts outside this repo write these keys: their names are a contract.
+"""The operator config (YAML; JSON or TOML by file suffix): DNS, address rules, platform
+destinations, ports, inspection, limits. Scripts outside this repo write these keys: their names
+are a contract.
 
 Every problem is collected and reported together; a config that is half understood is never
 applied.
@@ -7,19 +8,23 @@ applied.
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from policy import AddressRules, OperatorRules, PlatformDestination, PolicyError
-from policy.documents import parse_document, require_mapping
+from policy.addresses import IPNetwork
+from policy.documents import parse_document, require_mapping, syntax_for
 from policy.findings import Finding, quote
 from policy.hostnames import check_entry, parse_ip_literal
 from policy.urls import split_authority
 from proxy.errors import ProxyError
 
-_DURATION = re.compile(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?")
+_DURATION = re.compile(r"(?:(\d{1,6})h)?(?:(\d{1,6})m)?(?:(\d{1,6})s)?")
+# Far beyond any sane timeout, and small enough that no event loop or socket call overflows.
+MAX_DURATION = 7 * 24 * 3600.0
 DEFAULT_CA_DIR = "~/.local/share/egress-proxy/ca"
 
 _SCHEMA: dict[str, tuple[str, ...] | None] = {
@@ -65,6 +70,8 @@ def parse_duration(text: Any) -> float:
     total = hours * 3600 + minutes * 60 + seconds
     if total <= 0:
         raise ValueError(f"{quote(text)} must be longer than zero")
+    if total > MAX_DURATION:
+        raise ValueError(f"{quote(text)} is longer than the limit of 168h (a week)")
     return float(total)
 
 
@@ -81,24 +88,19 @@ class _Reader:
         if value is None:
             return {}
         if not isinstance(value, dict):
-            self.problem(key, value, "not_a_mapping", f"{key} must be a mapping")
+            self.problem(key, value, "not_a_mapping", f"must be a mapping, found {_kind(value)}")
             return {}
         known = _SCHEMA[key] or ()
         for sub in value:
             if sub not in known:
-                self.problem(
-                    f"{key}.{sub}",
-                    sub,
-                    "unknown_key",
-                    f"unknown key {key}.{sub}; known: {', '.join(known)}",
-                )
+                self.problem(f"{key}.{sub}", sub, "unknown_key", _unknown(sub, key, known))
         return value
 
     def items(self, value: Any, path: str) -> list[tuple[str, Any]]:
         if value is None:
             return []
         if not isinstance(value, list):
-            self.problem(path, value, "not_a_list", f"{path} must be a list")
+            self.problem(path, value, "not_a_list", f"must be a list, found {_kind(value)}")
             return []
         return [(f"{path}[{i}]", item) for i, item in enumerate(value)]
 
@@ -106,7 +108,9 @@ class _Reader:
         try:
             return parse(value)
         except (ValueError, PolicyError) as exc:
-            self.problem(path, value, "invalid_value", f"{path}: {exc}")
+            # PolicyError's str() would repeat a path; the finding names its own.
+            why = exc.message if isinstance(exc, PolicyError) else str(exc)
+            self.problem(path, value, "invalid_value", why)
             return default
 
 
@@ -118,11 +122,18 @@ def _port(value: Any) -> int:
 
 def _nameserver(value: Any) -> Nameserver:
     if not isinstance(value, str):
-        raise ValueError(f"{quote(value)} is not 'IP' or 'IP:PORT'")
+        raise ValueError(
+            f"{quote(value)} is not a nameserver string like '10.0.0.2' or '10.0.0.2:53'"
+        )
     host, port = split_authority(value)
-    if parse_ip_literal(host) is None:
-        raise ValueError(f"{quote(value)}: a nameserver is an IP address, optionally with :PORT")
-    return Nameserver(str(parse_ip_literal(host)), port or 53)
+    address = parse_ip_literal(host)
+    # Brackets belong to IPv6 only: '[10.0.0.1]:53' is a typo, not a nameserver.
+    if address is None or (value.startswith("[") and address.version != 6):
+        raise ValueError(
+            f"{quote(value)} is not a nameserver: write an IP address, optionally with :PORT "
+            "('10.0.0.2', '10.0.0.2:5353', '[fd00::2]:53')"
+        )
+    return Nameserver(str(address), port or 53)
 
 
 def _positive_int(value: Any) -> int:
@@ -144,12 +155,11 @@ def _text(value: Any) -> str:
 
 
 def load_config(data: bytes | str, *, source: str = "<config>") -> Config:
-    """Parse an operator config; any problem raises ProxyError('invalid_config') listing all."""
+    """Parse an operator config (YAML, or JSON/TOML by file suffix); any problem raises
+    ProxyError('invalid_config') listing them all."""
     try:
         document = require_mapping(
-            parse_document(data, source, "yaml" if not source.endswith(".json") else "json"),
-            source,
-            "a config",
+            parse_document(data, source, syntax_for(source)), source, "a config"
         )
     except PolicyError as exc:
         raise ProxyError(
@@ -158,52 +168,55 @@ def load_config(data: bytes | str, *, source: str = "<config>") -> Config:
     r = _Reader(source)
     for key in document:
         if key not in _SCHEMA:
-            r.problem(
-                str(key),
-                key,
-                "unknown_key",
-                f"unknown key {quote(key)}; known: {', '.join(_SCHEMA)}",
-            )
+            r.problem(str(key), key, "unknown_key", _unknown(key, "the config", tuple(_SCHEMA)))
 
     dns = r.section(document, "dns")
     nameservers = None
     if dns.get("nameservers") is not None:
-        nameservers = tuple(
-            r.convert(p, v, _nameserver, Nameserver("0.0.0.0"))
-            for p, v in r.items(dns["nameservers"], "dns.nameservers")
-        )
-        if not nameservers:
+        entries = r.items(dns["nameservers"], "dns.nameservers")
+        nameservers = tuple(r.convert(p, v, _nameserver, Nameserver("0.0.0.0")) for p, v in entries)
+        if not nameservers and isinstance(dns["nameservers"], list):
             r.problem(
                 "dns.nameservers",
                 [],
                 "empty_list",
-                "dns.nameservers is empty; omit it to use the system's resolv.conf",
+                "is empty; omit it to use the system's resolv.conf",
             )
     dns_timeout = r.convert("dns.timeout", dns.get("timeout", "5s"), parse_duration, 5.0)
 
     section = r.section(document, "addresses")
-    address_rules = AddressRules()
-    cidr_lists = {}
-    for key in ("allow", "deny", "in_cluster"):
-        entries = r.items(section.get(key), f"addresses.{key}")
-        for p, v in entries:
-            if not isinstance(v, str):
-                r.problem(p, v, "not_a_string", f"{p} must be a CIDR string")
-        cidr_lists[key] = [v for _, v in entries if isinstance(v, str)]
-    try:
-        address_rules = AddressRules.from_strings(**cidr_lists)
-    except PolicyError as exc:
-        r.problem(exc.path or "addresses", None, exc.reason, exc.message)
+    cidrs = {
+        key: _cidrs(r, section.get(key), f"addresses.{key}")
+        for key in ("allow", "deny", "in_cluster")
+    }
+    address_rules = AddressRules(**cidrs)
 
-    platform = []
+    platform: list[PlatformDestination] = []
     for p, item in r.items(document.get("platform_destinations"), "platform_destinations"):
         dest = _platform_destination(r, p, item)
-        if dest is not None:
-            platform.append(dest)
+        if dest is None:
+            continue
+        # The policy keys platform routes by host: a second entry would silently replace the
+        # first, so its ports and CIDRs would be other than what the operator reads here.
+        first = next((d for d in platform if d.host == dest.host), None)
+        if first is not None:
+            r.problem(
+                f"{p}.host",
+                dest.host,
+                "duplicate_host",
+                f"{dest.host!r} is already a platform destination ({first.id}); "
+                "list its ports and CIDRs in one entry",
+            )
+            continue
+        platform.append(dest)
 
     ports = None
     if document.get("ports") is not None:
-        ports = frozenset(r.convert(p, v, _port, 0) for p, v in r.items(document["ports"], "ports"))
+        entries = r.items(document["ports"], "ports")
+        ports = frozenset(r.convert(p, v, _port, 0) for p, v in entries)
+        if not entries and isinstance(document["ports"], list):
+            # An empty allow-list would refuse every connection; far likelier a slip than intent.
+            r.problem("ports", [], "empty_list", "is empty; omit it to allow any port")
 
     inspection = r.section(document, "inspection")
     enabled = r.convert("inspection.enabled", inspection.get("enabled", True), _bool, True)
@@ -213,28 +226,17 @@ def load_config(data: bytes | str, *, source: str = "<config>") -> Config:
 
     lim = r.section(document, "limits")
     defaults = Limits()
+
+    def duration(key: str, default: float) -> float:
+        return r.convert(f"limits.{key}", lim.get(key, f"{int(default)}s"), parse_duration, default)
+
     limits = Limits(
-        connect_timeout=r.convert(
-            "limits.connect_timeout",
-            lim.get("connect_timeout", "10s"),
-            parse_duration,
-            defaults.connect_timeout,
-        ),
-        idle_timeout=r.convert(
-            "limits.idle_timeout",
-            lim.get("idle_timeout", "10m"),
-            parse_duration,
-            defaults.idle_timeout,
-        ),
-        header_timeout=r.convert(
-            "limits.header_timeout",
-            lim.get("header_timeout", "10s"),
-            parse_duration,
-            defaults.header_timeout,
-        ),
+        connect_timeout=duration("connect_timeout", defaults.connect_timeout),
+        idle_timeout=duration("idle_timeout", defaults.idle_timeout),
+        header_timeout=duration("header_timeout", defaults.header_timeout),
         max_connections=r.convert(
             "limits.max_connections",
-            lim.get("max_connections", 1024),
+            lim.get("max_connections", defaults.max_connections),
             _positive_int,
             defaults.max_connections,
         ),
@@ -242,10 +244,12 @@ def load_config(data: bytes | str, *, source: str = "<config>") -> Config:
 
     suffixes = []
     for p, v in r.items(document.get("internal_suffixes"), "internal_suffixes"):
+        # allow_internal: a suffix may be a single label ('corp') or lie under a built-in one.
         problem = check_entry(v, allow_internal=True) if isinstance(v, str) else None
-        if not isinstance(v, str) or (problem is not None and problem.reason != "single_label"):
-            why = problem.message if problem else "must be a string"
-            r.problem(p, v, "invalid_suffix", f"{p}: {why}")
+        if not isinstance(v, str):
+            r.problem(p, v, "invalid_suffix", f"must be a domain name string, found {_kind(v)}")
+        elif problem is not None:
+            r.problem(p, v, "invalid_suffix", problem.message)
         else:
             suffixes.append(v)
 
@@ -268,38 +272,61 @@ def load_config(data: bytes | str, *, source: str = "<config>") -> Config:
     return Config(operator, nameservers, dns_timeout, ca_dir, limits, source)
 
 
+def _kind(value: Any) -> str:
+    if value is None:
+        return "nothing"
+    name = type(value).__name__
+    return f"an {name}" if name[0] in "aeiou" else f"a {name}"
+
+
+def _unknown(key: Any, where: str, known: tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(str(key), known, n=1)
+    hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
+    return f"unknown key {quote(key)} in {where}; {hint}"
+
+
+def _cidrs(r: _Reader, value: Any, path: str) -> tuple[IPNetwork, ...]:
+    """Each CIDR parsed on its own, so every bad one is reported at its own index."""
+    networks: list[IPNetwork] = []
+    for p, item in r.items(value, path):
+        try:
+            networks.extend(AddressRules.from_strings(allow=[item]).allow)
+        except PolicyError as exc:
+            r.problem(p, item, exc.reason, exc.message)
+    return tuple(networks)
+
+
 def _platform_destination(r: _Reader, path: str, item: Any) -> PlatformDestination | None:
     if not isinstance(item, dict):
-        r.problem(path, item, "not_a_mapping", f"{path} must be a mapping with host, ports, cidrs")
-        return None
-    for key in item:
-        if key not in ("host", "ports", "cidrs"):
-            r.problem(
-                f"{path}.{key}",
-                key,
-                "unknown_key",
-                f"unknown key {path}.{key}; known: host, ports, cidrs",
-            )
-    host = item.get("host")
-    problem = check_entry(host, allow_internal=True) if isinstance(host, str) else None
-    if not isinstance(host, str) or problem is not None:
-        why = problem.message if problem else "is required and must be a hostname"
-        r.problem(f"{path}.host", host, "invalid_host", f"{path}.host: {why}")
-        return None
-    ports = frozenset(
-        r.convert(p, v, _port, 0) for p, v in r.items(item.get("ports"), f"{path}.ports")
-    )
-    if not ports:
         r.problem(
-            f"{path}.ports",
-            item.get("ports"),
-            "missing_key",
-            f"{path}.ports must list at least one port",
+            path,
+            item,
+            "not_a_mapping",
+            f"must be a mapping with host, ports and optionally cidrs, found {_kind(item)}",
         )
-    cidrs: tuple = ()
-    raw_cidrs = [v for _, v in r.items(item.get("cidrs"), f"{path}.cidrs")]
-    try:
-        cidrs = AddressRules.from_strings(allow=raw_cidrs, path_prefix=path).allow
-    except PolicyError as exc:
-        r.problem(f"{path}.cidrs", None, exc.reason, exc.message)
+        return None
+    known = ("host", "ports", "cidrs")
+    for key in item:
+        if key not in known:
+            r.problem(f"{path}.{key}", key, "unknown_key", _unknown(key, path, known))
+    host = item.get("host")
+    # allow_internal: platform routes are exactly the in-cluster names manifests may not declare.
+    problem = check_entry(host, allow_internal=True) if isinstance(host, str) else None
+    if not isinstance(host, str):
+        r.problem(
+            f"{path}.host",
+            host,
+            "invalid_host",
+            f"is required and must be a hostname string, found {_kind(host)}",
+        )
+    elif problem is not None:
+        r.problem(f"{path}.host", host, "invalid_host", problem.message)
+    raw_ports = item.get("ports")
+    entries = r.items(raw_ports, f"{path}.ports")
+    ports = frozenset(r.convert(p, v, _port, 0) for p, v in entries)
+    if not entries and (raw_ports is None or isinstance(raw_ports, list)):
+        r.problem(f"{path}.ports", raw_ports, "missing_key", "must list at least one port")
+    cidrs = _cidrs(r, item.get("cidrs"), f"{path}.cidrs")
+    if not isinstance(host, str) or problem is not None:
+        return None
     return PlatformDestination(path, host, ports, cidrs)
