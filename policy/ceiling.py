@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 from policy.documents import parse_document, require_mapping
 from policy.errors import PolicyError
-from policy.findings import Finding, quote
+from policy.findings import Finding, describe_type, quote
 from policy.hostnames import check_entry
+from policy.manifests import MAX_ENTRIES
 from policy.rules import Rule
 
 _KEYS = ("tenant", "egress")
@@ -49,7 +50,7 @@ def load_ceiling(
             )
     tenant = document.get("tenant")
     if tenant is not None and not (isinstance(tenant, str) and tenant.strip()):
-        problem("tenant", tenant, "invalid_tenant", "tenant must be a non-empty string")
+        problem("tenant", tenant, "invalid_tenant", "must be a non-empty string")
         tenant = None
     if "egress" not in document:
         problem(
@@ -61,18 +62,28 @@ def load_ceiling(
     egress = document.get("egress")
     rules: list[Rule] = []
     if egress is not None and not isinstance(egress, list):
-        problem("egress", egress, "not_a_list", "egress must be a list of hostnames")
+        problem("egress", egress, "not_a_list", "must be a list of hostnames")
     elif egress is None and "egress" in document:
         problem(
             "egress",
             None,
             "not_a_list",
-            "egress is empty (null); write 'egress: []' to admit nothing",
+            "is empty (null); write 'egress: []' to admit nothing",
         )
+    if isinstance(egress, list) and len(egress) > MAX_ENTRIES:
+        problem(
+            "egress",
+            egress,
+            "too_many_entries",
+            f"has {len(egress)} entries; the limit is {MAX_ENTRIES}",
+        )
+        egress = []
     for i, value in enumerate(egress if isinstance(egress, list) else []):
         path = f"egress[{i}]"
         if not isinstance(value, str):
-            problem(path, value, "not_a_string", f"{path} must be a string")
+            problem(
+                path, value, "not_a_string", f"must be a hostname, found {describe_type(value)}"
+            )
             continue
         issue = check_entry(value, internal_suffixes=internal_suffixes)
         if issue is not None:

@@ -299,7 +299,8 @@ class Policy:
         path = views[0] if views else None
         for rule in block_urls:
             prefix = (rule.path or "/").lower()  # blocks match case-blind: some servers do
-            if any(path_has_prefix(view.lower(), prefix) for view in views):
+            # '/admin/' blocks '/admin' too: many servers serve both alike.
+            if any(_blocked_by(view.lower(), prefix) for view in views):
                 return Decision(
                     False,
                     d.BLOCKED,
@@ -521,6 +522,10 @@ class Policy:
                     name=f"inside the CIDRs of {platform.id}",
                 ), None
         return verdict, None
+
+
+def _blocked_by(path: str, prefix: str) -> bool:
+    return path_has_prefix(path, prefix) or (prefix.endswith("/") and path == prefix[:-1])
 
 
 def _port_fits(rule: Rule, scheme: str | None, port: int | None) -> bool:

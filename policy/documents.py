@@ -128,6 +128,19 @@ _StrictLoader.add_constructor(
     "tag:yaml.org,2002:map",
     lambda loader, node: loader.construct_mapping(node),
 )
+
+
+def _construct_untagged(loader: yaml.BaseLoader, node: yaml.Node) -> Any:
+    if isinstance(node, yaml.MappingNode):
+        return loader.construct_mapping(node)
+    if isinstance(node, yaml.SequenceNode):
+        return loader.construct_sequence(node)
+    return loader.construct_scalar(node)
+
+
+# Application tags ('!Ref', '!!python/object') are read as the plain value under them: they mean
+# nothing to us, they must not fail a manifest whose network part is fine, and they never run.
+_StrictLoader.add_constructor(None, _construct_untagged)
 # Dates are read as the text written: no manifest field we read is a date, and an impossible date
 # under a key that is not ours ('released: 2024-02-30') must not fail the whole document.
 _StrictLoader.add_constructor(
@@ -194,11 +207,15 @@ def _check_yaml_shape(text: str, source: str) -> None:
                     event,
                 )
         if counts[0] > MAX_EXPANDED_NODES or (len(counts) > 1 and counts[-1] > MAX_EXPANDED_NODES):
+            if sizes:
+                raise refuse(
+                    "alias_bomb",
+                    f"aliases (*name) expand this document to more than "
+                    f"{MAX_EXPANDED_NODES} values: refused as an alias bomb",
+                    event,
+                )
             raise refuse(
-                "alias_bomb",
-                f"aliases (*name) expand this document to more than "
-                f"{MAX_EXPANDED_NODES} values: refused as an alias bomb",
-                event,
+                "too_many_values", f"more than {MAX_EXPANDED_NODES} values in one document", event
             )
 
 

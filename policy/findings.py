@@ -27,6 +27,23 @@ def describe_value(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
+def describe_type(value: Any) -> str:
+    """'a string', 'a number', ... for messages about a value of the wrong type."""
+    if value is None:
+        return "nothing"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list | tuple):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    return f"a value of type {type(value).__name__}"
+
+
 def quote(value: Any) -> str:
     """`value` as it appears inside a message: a repr of the bounded rendering."""
     shown = describe_value(value)

@@ -144,10 +144,13 @@ def _load_inputs(args: argparse.Namespace) -> tuple[Manifest, Ceiling | None, Co
     _check_stdin(args)
     config = _load_config(args)
     suffixes = config.operator.internal_suffixes
+    # Standard input has no file name to imply a syntax: --format agent.toml means TOML there.
+    stdin_toml = args.manifest == "-" and args.format == "agent.toml"
     manifest = load_manifest(
         read_input(args.manifest),
         source=_source(args.manifest),
         format=args.format,
+        syntax="toml" if stdin_toml else None,
         internal_suffixes=suffixes,
     )
     ceiling = None

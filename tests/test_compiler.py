@@ -206,6 +206,8 @@ def test_blocked_url_prefix_on_an_allowed_host() -> None:
     assert policy.decide("https://api.acme.com/ADMIN/users").reason == "blocked"
     assert policy.decide("https://api.acme.com/x/../admin/").reason == "blocked"
     assert policy.decide("https://api.acme.com/admin;jsessionid=1/users").reason == "blocked"
+    assert policy.decide("https://api.acme.com/admin").reason == "blocked"
+    assert policy.decide("https://api.acme.com/administrator").allowed
     assert policy.decide("https://api.acme.com/public").allowed
     assert policy.decide("www.acme.com:443").needs_inspection is False
 

@@ -55,7 +55,6 @@ def test_json_syntax_error_names_line_and_column() -> None:
         (b'{"a": 1, "a": 2}', "m.json", "duplicate_key"),
         (b"a = 1\na = 2\n", "m.toml", "toml_syntax"),
         (b"a: 1\n---\nb: 2\n", "m.yaml", "multiple_documents"),
-        (b"a: !!python/object:os.system ls\n", "m.yaml", "yaml_syntax"),
         (b"? [a, b]\n: 1\n", "m.yaml", "yaml_syntax"),
     ],
 )
@@ -107,3 +106,14 @@ def test_toml_error_at_the_very_end_still_has_a_position() -> None:
         parse_document(b'[network_access]\nallowed = ["a.com"', "agent.toml")
     assert (info.value.line, info.value.column) == (2, 19)
     assert "end of document" not in info.value.message
+
+
+def test_application_tags_are_inert_plain_values() -> None:
+    text = b"a: !!python/object/apply:os.system [ls]\nb: !Ref x\nc: !Custom {k: v}\n"
+    assert parse_document(text, "m.yaml") == {"a": ["ls"], "b": "x", "c": {"k": "v"}}
+
+
+def test_many_plain_values_are_not_called_an_alias_bomb() -> None:
+    text = "a: [" + ",".join(["1"] * 1_000_001) + "]\n"
+    reason, _ = reason_of(text)
+    assert reason == "too_many_values"

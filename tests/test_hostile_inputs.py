@@ -135,7 +135,6 @@ HOSTILE: dict[str, tuple[Callable[[Path], Path], str]] = {
     "json_duplicate_key": (_bytes("dup.json", b'{"network": {}, "network": {}}'), "duplicate"),
     "toml_duplicate_key": (_bytes("dup.toml", b"a = 1\na = 2\n"), ":2:"),
     "two_documents": (_bytes("two.yaml", b"network: {}\n---\nnetwork: {}\n"), ":2:"),
-    "python_tag": (_bytes("tag.yaml", b"network: !!python/object/apply:os.system [id]\n"), ":1:"),
 }
 
 # Where a file is read, as argv with {} for the hostile file.
@@ -404,3 +403,13 @@ def test_random_bytes_never_crash_the_cli(
     result = cli(*argv_for(role, hostile, manifest))
     assert result.code in (0, 1, 2), result.err
     assert "internal error" not in result.err
+
+
+def test_a_python_tag_is_inert(tmp_path: Path) -> None:
+    # Tags are read as the plain value under them: nothing is ever constructed or run.
+    marker = tmp_path / "ran"
+    path = tmp_path / "agent.yaml"
+    path.write_text(f"network: !!python/object/apply:os.system ['touch {marker}']\n")
+    result = cli("check", "--json", path)
+    assert result.code == 1 and not marker.exists()
+    assert '"not_a_mapping"' in result.out

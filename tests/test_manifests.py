@@ -251,3 +251,20 @@ def test_value_in_findings_is_bounded() -> None:
     m = load_manifest(json.dumps({"network": {"egress": ["a" * 100_000]}}), source="a.json")
     assert len(m.findings[0].to_json()["value"]) < 300
     assert len(m.findings[0].message) < 1000
+
+
+def test_too_many_entries_is_a_finding_not_a_hang() -> None:
+    from policy.manifests import MAX_ENTRIES
+
+    text = json.dumps({"network": {"egress": ["a.com"] * (MAX_ENTRIES + 1)}})
+    m = load_manifest(text, source="big.json")
+    assert [(f.path, f.reason) for f in m.findings] == [("network.egress", "too_many_entries")]
+
+
+def test_non_string_message_names_the_type() -> None:
+    m = load_manifest("network: {egress: [1, true, [a]]}\n")
+    assert [f.message.rsplit(" ", 2)[-2:] for f in m.findings] == [
+        ["a", "number"],
+        ["a", "boolean"],
+        ["a", "list"],
+    ]
