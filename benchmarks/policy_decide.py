@@ -407,21 +407,7 @@ class LinearIndex:
 
     @classmethod
     def from_trie(cls, trie: SuffixTrie[Any]) -> LinearIndex:
-        root = getattr(trie, "_root", None)
-        if root is None:
-            raise SystemExit("policy.trie.SuffixTrie has no _root: update LinearIndex.from_trie")
-        entries: list[tuple[str, str, list[Any]]] = []
-        stack: list[tuple[Any, list[str]]] = [(root, [])]
-        while stack:
-            node, labels = stack.pop()
-            host = ".".join(reversed(labels))
-            for slot in SLOTS:
-                items = getattr(node, slot)
-                if items is not None:
-                    entries.append((host, slot, items))
-            for label, child in (node.children or {}).items():
-                stack.append((child, [*labels, label]))
-        return cls(entries)
+        return cls(list(trie.entries()))
 
     @staticmethod
     def _deepest(host: str, rows: list[tuple[str, list[Any]]]) -> list[Any] | None:

@@ -93,6 +93,8 @@ _SHOWN_MAX = 100
 _RUNTIME_HOST_RE = re.compile(r"[a-z0-9_-]{1,63}(?:\.[a-z0-9_-]{1,63})*")
 _RUNTIME_BAD_CHAR_RE = re.compile(r"[^a-z0-9_.-]")
 _ENTRY_BAD_CHAR_RE = re.compile(r"[^a-z0-9-]")
+_LDH_LABEL = r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?"
+_CANONICAL_ENTRY_RE = re.compile(rf"(?:{_LDH_LABEL}\.)+{_LDH_LABEL}")
 # What the WHATWG URL host parser reads as a number (its "ends in a number" test): a name whose
 # last label matches is parsed as IPv4, so for us it is an address, never a name.
 _NUMERIC_LABEL_RE = re.compile(r"[0-9]+|0[xX][0-9a-fA-F]*")
@@ -564,6 +566,22 @@ def check_entry(
     `allow_internal` lifts the loopback, internal-name and single-label refusals (platform
     destinations, blocked patterns) and keeps every syntax rule.
     """
+    # Nearly every entry is already canonical: do not take it apart to find nothing to fix.
+    # (Numeric last labels go the long way: IP spellings are told apart there.)
+    if (
+        isinstance(value, str)
+        and len(value) <= _MAX_NAME
+        and "xn--" not in value
+        and _CANONICAL_ENTRY_RE.fullmatch(value)
+        and not _is_numeric_label(value.rpartition(".")[2])
+    ):
+        return _host_problem(value, internal_suffixes, allow_internal)
+    return _check_entry_in_full(value, internal_suffixes, allow_internal)
+
+
+def _check_entry_in_full(
+    value: str, internal_suffixes: Iterable[str], allow_internal: bool
+) -> EntryProblem | None:
     reading = _read_entry(value)
     if reading.problem is not None:
         return reading.problem

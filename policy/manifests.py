@@ -17,8 +17,9 @@ from policy.addresses import classify
 from policy.documents import Syntax, parse_document, require_mapping, syntax_for
 from policy.errors import PolicyError
 from policy.findings import Finding, describe_type, quote
-from policy.hostnames import check_entry, is_under, parse_ip_literal
+from policy.hostnames import check_entry, parse_ip_literal
 from policy.rules import Network, Rule
+from policy.trie import suffixes
 from policy.urls import DEFAULT_PORTS, normalize_path, parse_port
 
 Format = Literal["agent.yaml", "agent.toml"]
@@ -265,8 +266,9 @@ class _Checker:
         ]
         allowed = self.duplicates(allowed)
         blocked = self.duplicates(blocked)
+        whole_blocks = _WholeBlocks(blocked)
         for rule in allowed:
-            shadow = next((b for b in blocked if _blocks_whole(b, rule)), None)
+            shadow = whole_blocks.refusing(rule)
             if shadow is not None:
                 self.find(
                     rule.id,
@@ -399,10 +401,23 @@ def _cidr(text: str) -> Network | None:
         return None
 
 
-def _blocks_whole(block: Rule, allow: Rule) -> bool:
-    """Does `block` refuse everything `allow` admits?"""
-    if block.host is None or allow.host is None or block.kind == "url":
-        return False
-    if block.kind == "subtree":
-        return is_under(allow.host, block.host)
-    return allow.kind in ("exact", "url") and allow.host == block.host
+class _WholeBlocks:
+    """Host blocks indexed by name, to find one that refuses everything an allow admits."""
+
+    def __init__(self, blocks: list[Rule]) -> None:
+        self.exact: dict[str, Rule] = {}
+        self.subtree: dict[str, Rule] = {}
+        for rule in blocks:
+            if rule.host is not None and rule.kind in ("exact", "subtree"):
+                index = self.exact if rule.kind == "exact" else self.subtree
+                index.setdefault(rule.host, rule)
+
+    def refusing(self, allow: Rule) -> Rule | None:
+        if allow.host is None:
+            return None
+        for name in suffixes(allow.host):
+            if name and name in self.subtree:
+                return self.subtree[name]
+        if allow.kind in ("exact", "url"):
+            return self.exact.get(allow.host)
+        return None

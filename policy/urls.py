@@ -18,6 +18,7 @@ RULE_SCHEME = {"http": "http", "https": "https", "ws": "http", "wss": "https"}
 TLS_SCHEMES = frozenset({"https", "wss"})
 
 _PORT = re.compile(r"[0-9]{1,5}")
+_CONTROL_OR_SPACE = re.compile(r"[\x00-\x20\x7f]")
 _UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
 _HEX = frozenset("0123456789abcdefABCDEF")
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
@@ -67,7 +68,7 @@ def parse_target(text: str) -> Target:
     """A target as written on a command line or in a request: host, host:port, [v6]:port, URL."""
     if not text or len(text) > 8192:
         raise PolicyError("invalid_target", "a target must be 1 to 8192 characters")
-    if any(ord(c) < 0x21 or ord(c) == 0x7F for c in text):
+    if _CONTROL_OR_SPACE.search(text):
         raise PolicyError("invalid_target", f"whitespace or control character in {text[:100]!r}")
     match = _SCHEME.match(text)
     if not match:

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from policy import compile_policy, load_ceiling, load_manifest
 from policy.hostnames import is_under
-from policy.trie import SuffixTrie
+from policy.trie import SubtreeIndex, SuffixTrie, suffixes
 
 LABELS = st.sampled_from(["a", "b", "c", "xn--bcher-kva"])
 TLDS = st.sampled_from(["com", "org"])
@@ -92,20 +92,15 @@ def test_yaml_policy_agrees_with_reference(
 
 
 @given(st.lists(hostnames(), max_size=20), hostnames())
-def test_trie_covering_and_below(entries: list[str], probe: str) -> None:
-    trie: SuffixTrie[str] = SuffixTrie()
-    for e in entries:
-        trie.add(e, "subtree", e)
-    cover = trie.covering(probe)
+def test_subtree_index_finds_the_deepest_cover(entries: list[str], probe: str) -> None:
+    index: SubtreeIndex[str] = SubtreeIndex((e, e) for e in entries)
+    cover = index.covering(probe)
     covering = [e for e in entries if is_under(probe, e)]
     if cover is None:
         assert covering == []
     else:
-        # The deepest covering entry is reported.
-        assert cover[0] in covering
-        assert all(len(cover[0]) >= len(e) for e in covering)
-    below = {h for h, _ in trie.subtrees_below(probe)}
-    assert below == {e for e in entries if is_under(e, probe) and e != probe}
+        assert cover in covering
+        assert all(len(cover) >= len(e) for e in covering)
 
 
 def test_large_trie_lookups() -> None:
@@ -117,3 +112,11 @@ def test_large_trie_lookups() -> None:
     assert big.match("x.y.h7.example7.com").subtree == [7]
     assert big.match("h7.example8.com").subtree is None
     assert big.match("example7.com").subtree is None
+
+
+def test_suffixes_walk_from_the_name_to_the_root() -> None:
+    assert list(suffixes("a.b.com")) == ["a.b.com", "b.com", "com", ""]
+    assert list(suffixes("a.b.com", proper=True)) == ["b.com", "com", ""]
+    assert list(suffixes("com", proper=True)) == [""]
+    assert list(suffixes("")) == [""]
+    assert list(suffixes("", proper=True)) == []
