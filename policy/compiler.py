@@ -306,15 +306,9 @@ class Policy:
         refusal = name_refusal(host, self._internal)
         if refusal is not None:
             return Decision(False, refusal[0], f"{host}: {refusal[1]}", host, port)
-        if port is not None and self.operator.ports is not None and port not in self.operator.ports:
-            return Decision(
-                False,
-                d.PORT_NOT_ALLOWED,
-                f"{host}: port {port} is not in the operator's port allow-list",
-                host,
-                port,
-                "ports",
-            )
+        refused_port = self._port_refusal(host, port)
+        if refused_port is not None:
+            return refused_port
         match = self._trie.match(host)
         if match.block:
             rule = match.block[0].rule
@@ -428,16 +422,23 @@ class Policy:
                 host,
                 port,
             )
-        if port is not None and self.operator.ports is not None and port not in self.operator.ports:
-            return Decision(
-                False,
-                d.PORT_NOT_ALLOWED,
-                f"{host}: port {port} is not in the operator's port allow-list",
-                host,
-                port,
-                "ports",
-            )
+        refused_port = self._port_refusal(host, port)
+        if refused_port is not None:
+            return refused_port
         return Decision(True, d.ALLOWED, f"{host} is allowed by {rule.id}", host, port, rule.id)
+
+    def _port_refusal(self, host: str, port: int | None) -> Decision | None:
+        ports = self.operator.ports
+        if port is None or ports is None or port in ports:
+            return None
+        return Decision(
+            False,
+            d.PORT_NOT_ALLOWED,
+            f"{host}: port {port} is not in the operator's port allow-list",
+            host,
+            port,
+            "ports",
+        )
 
     def _blocking_rule(self, address: Address) -> Rule | None:
         for rule in self._blocked_networks:
