@@ -1072,6 +1072,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for v in variants
             },
         }
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
         log(f"wrote {args.json}")
     return 0
