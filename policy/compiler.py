@@ -11,6 +11,7 @@ import ipaddress
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any, NamedTuple
 
 from policy import decisions as d
@@ -204,7 +205,7 @@ class Policy:
         declared_cut = intersection.excluded
         if manifest.mode != "allowlist":
             declared_cut = _intersect(declared, ceiling).excluded
-        self.findings = _deploy_findings(manifest, ceiling, operator, declared_cut)
+        self._declared_cut = declared_cut
         self.grants = tuple(intersection.grants)
         self._trie: SuffixTrie[Grant] = SuffixTrie()
         for grant in self.grants:
@@ -231,6 +232,12 @@ class Policy:
         self._internal = operator.internal_suffixes
 
     # -- reporting ---------------------------------------------------------------------------
+
+    @cached_property
+    def findings(self) -> tuple[Finding, ...]:
+        """The deploy-time findings (as `check_manifest`); worded only when asked for, since a
+        running proxy never needs them and a lowered ceiling can cut thousands of entries."""
+        return _deploy_findings(self.manifest, self.ceiling, self.operator, self._declared_cut)
 
     def rules_json(self) -> list[dict[str, Any]]:
         """The effective rules, as `check --json` prints them."""
