@@ -41,10 +41,10 @@ def decode_text(data: bytes | str, source: str) -> str:
     if isinstance(data, str):
         text = data
         if len(text) > MAX_DOCUMENT_BYTES:
-            raise _too_large(source, len(text.encode("utf-8", "surrogatepass")))
+            raise too_large(source, len(text.encode("utf-8", "surrogatepass")))
     else:
         if len(data) > MAX_DOCUMENT_BYTES:
-            raise _too_large(source, len(data))
+            raise too_large(source, len(data))
         nul = data.find(b"\0")
         if nul >= 0:
             raise PolicyError(
@@ -71,10 +71,13 @@ def decode_text(data: bytes | str, source: str) -> str:
     return text
 
 
-def _too_large(source: str, size: int) -> PolicyError:
+def too_large(source: str, size: int | None) -> PolicyError:
+    """The refusal of a document over MAX_DOCUMENT_BYTES (`size` None: read until past it)."""
+    what = f"{size} bytes is" if size is not None else "it is"
     return PolicyError(
         "too_large",
-        f"{size} bytes is over the limit of {MAX_DOCUMENT_BYTES} bytes for a document",
+        f"{what} over the limit of {MAX_DOCUMENT_BYTES} bytes "
+        f"({MAX_DOCUMENT_BYTES // (1024 * 1024)} MiB) for a document",
         source=source,
     )
 

@@ -31,7 +31,7 @@ from policy import (
     load_manifest,
     parse_address,
 )
-from policy.documents import MAX_DOCUMENT_BYTES
+from policy.documents import MAX_DOCUMENT_BYTES, too_large
 from policy.hostnames import normalize_host, parse_ip_literal
 from policy.manifests import FORMATS
 from policy.urls import parse_target
@@ -83,16 +83,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _too_large(source: str, size: int | None) -> PolicyError:
-    what = f"{size} bytes is" if size is not None else "it is"
-    return PolicyError(
-        "too_large",
-        f"{what} over the limit of {MAX_DOCUMENT_BYTES} bytes "
-        f"({MAX_DOCUMENT_BYTES // (1024 * 1024)} MiB) for a document",
-        source=source,
-    )
-
-
 def read_input(path: str) -> bytes:
     """A file's bytes, bounded: a hostile 50 MB manifest is refused without reading it all."""
     source = _source(path)
@@ -106,14 +96,14 @@ def read_input(path: str) -> bytes:
                     raise IsADirectoryError(21, "Is a directory")
                 # A regular file says its size: refuse a big one before reading a byte of it.
                 if stat.S_ISREG(info.st_mode) and info.st_size > MAX_DOCUMENT_BYTES:
-                    raise _too_large(source, info.st_size)
+                    raise too_large(source, info.st_size)
                 data = handle.read(MAX_DOCUMENT_BYTES + 1)
     except OSError as exc:
         raise PolicyError(
             "unreadable", f"cannot read: {exc.strerror or exc}", source=source
         ) from None
     if len(data) > MAX_DOCUMENT_BYTES:
-        raise _too_large(source, None)
+        raise too_large(source, None)
     return data
 
 
