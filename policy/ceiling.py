@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from policy.documents import parse_document, require_mapping
 from policy.errors import PolicyError
-from policy.findings import Finding, describe_type, quote
+from policy.findings import Finding, describe_type, unknown_key_message
 from policy.hostnames import check_entry
 from policy.manifests import MAX_ENTRIES
 from policy.rules import Rule
@@ -46,7 +46,7 @@ def load_ceiling(
                 str(key),
                 key,
                 "unknown_key",
-                f"unknown key {quote(key)} in a ceiling; known keys: tenant, egress",
+                unknown_key_message(key, "a ceiling", _KEYS),
             )
     tenant = document.get("tenant")
     if tenant is not None and not (isinstance(tenant, str) and tenant.strip()):

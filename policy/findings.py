@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -42,6 +44,13 @@ def describe_type(value: Any) -> str:
     if isinstance(value, dict):
         return "a mapping"
     return f"a value of type {type(value).__name__}"
+
+
+def unknown_key_message(key: Any, where: str, known: Sequence[str]) -> str:
+    """The message for a key that is not one of `known`, with the likeliest meant key."""
+    close = difflib.get_close_matches(str(key), known, n=1)
+    hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
+    return f"unknown key {quote(key)} in {where}; {hint}"
 
 
 def quote(value: Any) -> str:

@@ -7,7 +7,6 @@ hosts `access.github` implies. agent.toml (also as YAML or JSON): `network_acces
 
 from __future__ import annotations
 
-import difflib
 import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -16,7 +15,7 @@ from typing import Any, Literal
 from policy.addresses import classify
 from policy.documents import Syntax, parse_document, require_mapping, syntax_for
 from policy.errors import PolicyError
-from policy.findings import Finding, describe_type, quote
+from policy.findings import Finding, describe_type, quote, unknown_key_message
 from policy.hostnames import check_entry, parse_ip_literal
 from policy.rules import Network, Rule
 from policy.trie import suffixes
@@ -108,11 +107,7 @@ class _Checker:
                 continue
             if key in known:
                 continue
-            close = difflib.get_close_matches(str(key), known, n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(known)}"
-            self.find(
-                f"{path}.{key}", key, "unknown_key", f"unknown key {quote(key)} in {path}{hint}"
-            )
+            self.find(f"{path}.{key}", key, "unknown_key", unknown_key_message(key, path, known))
 
     def string_list(self, value: Any, path: str) -> list[tuple[str, str]]:
         """(path, entry) for each string entry; a finding for everything else."""

@@ -8,7 +8,6 @@ applied.
 
 from __future__ import annotations
 
-import difflib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,7 +16,7 @@ from typing import Any
 from policy import AddressRules, OperatorRules, PlatformDestination, PolicyError
 from policy.addresses import IPNetwork
 from policy.documents import parse_document, require_mapping, syntax_for
-from policy.findings import Finding, quote
+from policy.findings import Finding, describe_type, quote, unknown_key_message
 from policy.hostnames import check_entry, parse_ip_literal
 from policy.urls import split_authority
 from proxy.errors import ProxyError
@@ -88,19 +87,23 @@ class _Reader:
         if value is None:
             return {}
         if not isinstance(value, dict):
-            self.problem(key, value, "not_a_mapping", f"must be a mapping, found {_kind(value)}")
+            self.problem(
+                key, value, "not_a_mapping", f"must be a mapping, found {describe_type(value)}"
+            )
             return {}
         known = _SCHEMA[key] or ()
         for sub in value:
             if sub not in known:
-                self.problem(f"{key}.{sub}", sub, "unknown_key", _unknown(sub, key, known))
+                self.problem(
+                    f"{key}.{sub}", sub, "unknown_key", unknown_key_message(sub, key, known)
+                )
         return value
 
     def items(self, value: Any, path: str) -> list[tuple[str, Any]]:
         if value is None:
             return []
         if not isinstance(value, list):
-            self.problem(path, value, "not_a_list", f"must be a list, found {_kind(value)}")
+            self.problem(path, value, "not_a_list", f"must be a list, found {describe_type(value)}")
             return []
         return [(f"{path}[{i}]", item) for i, item in enumerate(value)]
 
@@ -168,7 +171,9 @@ def load_config(data: bytes | str, *, source: str = "<config>") -> Config:
     r = _Reader(source)
     for key in document:
         if key not in _SCHEMA:
-            r.problem(str(key), key, "unknown_key", _unknown(key, "the config", tuple(_SCHEMA)))
+            r.problem(
+                str(key), key, "unknown_key", unknown_key_message(key, "the config", tuple(_SCHEMA))
+            )
 
     dns = r.section(document, "dns")
     nameservers = None
@@ -247,7 +252,9 @@ def load_config(data: bytes | str, *, source: str = "<config>") -> Config:
         # allow_internal: a suffix may be a single label ('corp') or lie under a built-in one.
         problem = check_entry(v, allow_internal=True) if isinstance(v, str) else None
         if not isinstance(v, str):
-            r.problem(p, v, "invalid_suffix", f"must be a domain name string, found {_kind(v)}")
+            r.problem(
+                p, v, "invalid_suffix", f"must be a domain name string, found {describe_type(v)}"
+            )
         elif problem is not None:
             r.problem(p, v, "invalid_suffix", problem.message)
         else:
@@ -272,19 +279,6 @@ def load_config(data: bytes | str, *, source: str = "<config>") -> Config:
     return Config(operator, nameservers, dns_timeout, ca_dir, limits, source)
 
 
-def _kind(value: Any) -> str:
-    if value is None:
-        return "nothing"
-    name = type(value).__name__
-    return f"an {name}" if name[0] in "aeiou" else f"a {name}"
-
-
-def _unknown(key: Any, where: str, known: tuple[str, ...]) -> str:
-    close = difflib.get_close_matches(str(key), known, n=1)
-    hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
-    return f"unknown key {quote(key)} in {where}; {hint}"
-
-
 def _cidrs(r: _Reader, value: Any, path: str) -> tuple[IPNetwork, ...]:
     """Each CIDR parsed on its own, so every bad one is reported at its own index."""
     networks: list[IPNetwork] = []
@@ -302,13 +296,13 @@ def _platform_destination(r: _Reader, path: str, item: Any) -> PlatformDestinati
             path,
             item,
             "not_a_mapping",
-            f"must be a mapping with host, ports and optionally cidrs, found {_kind(item)}",
+            f"must be a mapping with host, ports and optionally cidrs, found {describe_type(item)}",
         )
         return None
     known = ("host", "ports", "cidrs")
     for key in item:
         if key not in known:
-            r.problem(f"{path}.{key}", key, "unknown_key", _unknown(key, path, known))
+            r.problem(f"{path}.{key}", key, "unknown_key", unknown_key_message(key, path, known))
     host = item.get("host")
     # allow_internal: platform routes are exactly the in-cluster names manifests may not declare.
     problem = check_entry(host, allow_internal=True) if isinstance(host, str) else None
@@ -317,7 +311,7 @@ def _platform_destination(r: _Reader, path: str, item: Any) -> PlatformDestinati
             f"{path}.host",
             host,
             "invalid_host",
-            f"is required and must be a hostname string, found {_kind(host)}",
+            f"is required and must be a hostname string, found {describe_type(host)}",
         )
     elif problem is not None:
         r.problem(f"{path}.host", host, "invalid_host", problem.message)
