@@ -206,11 +206,14 @@ def _document_order(finding: Finding) -> list[Any]:
 
 def cmd_check(args: argparse.Namespace, out: TextIO) -> int:
     manifest, ceiling, config = _load_inputs(args)
-    findings = sorted(check_manifest(manifest, ceiling, config.operator), key=_document_order)
-    ok = not any(f.is_error for f in findings)
     rules: list[dict[str, Any]] = []
     if manifest.ok:
-        rules = compile_policy(manifest, ceiling, config.operator).rules_json()
+        policy = compile_policy(manifest, ceiling, config.operator)
+        found, rules = policy.findings, policy.rules_json()
+    else:
+        found = check_manifest(manifest, ceiling, config.operator)
+    findings = sorted(found, key=_document_order)
+    ok = not any(f.is_error for f in findings)
     if args.json:
         _print_json(
             {
