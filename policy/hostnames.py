@@ -31,6 +31,7 @@ from ipaddress import IPv4Address, IPv6Address
 
 import idna
 
+from policy.addresses import parse_address
 from policy.errors import PolicyError
 
 __all__ = [
@@ -99,8 +100,6 @@ _CANONICAL_ENTRY_RE = re.compile(rf"(?:{_LDH_LABEL}\.)+{_LDH_LABEL}")
 # last label matches is parsed as IPv4, so for us it is an address, never a name.
 _NUMERIC_LABEL_RE = re.compile(r"[0-9]+|0[xX][0-9a-fA-F]*")
 _SCHEME_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
-_DECIMAL_OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9][0-9]|[0-9])"
-_STRICT_IPV4_RE = re.compile(rf"{_DECIMAL_OCTET}(?:\.{_DECIMAL_OCTET}){{3}}")
 _PATH_START_RE = re.compile(r"[/?#\\]")
 _UNICODE_DOTS = ("\u3002", "\uff0e", "\uff61")
 
@@ -326,18 +325,9 @@ def parse_ip_literal(text: str) -> IPv4Address | IPv6Address | None:
     or without brackets and without a zone id. The lenient spellings ('127.1', '0x7f.1') are
     refused elsewhere; a pattern must not depend on how some parser reads them.
     """
-    if not isinstance(text, str) or not text.isascii():
+    if not isinstance(text, str) or "%" in text:
         return None
-    if _STRICT_IPV4_RE.fullmatch(text):
-        return IPv4Address(text)
-    if text.startswith("[") and text.endswith("]"):
-        text = text[1:-1]
-    if ":" not in text or "%" in text:
-        return None
-    try:
-        return IPv6Address(text)
-    except ValueError:
-        return None
+    return parse_address(text)
 
 
 # --------------------------------------------------------------------------------------------
