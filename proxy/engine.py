@@ -1,0 +1,676 @@
+"""The L7 engine: mitmproxy embedded in-process, with our addon enforcing the policy.
+
+    engine = Engine(policy, resolver, config, metrics, audit, session_id)
+    host, port = await engine.start("127.0.0.1", 3128)
+    engine.set_policy(new_policy)  # reload: every later decision uses it
+    await engine.stop()
+
+The addon (`EgressAddon`) is thin: mitmproxy's hooks are translated into calls of the policy core
+(`Policy.decide`, `Policy.check_addresses`) and our resolver, and the answers back into
+mitmproxy's terms (a 403 response, a refused server connection, a pinned address). What it
+enforces (DESIGN 3):
+
+- CONNECT (`http_connect`): name stage on the authority, one DNS lookup with our resolver,
+  address stage, the checked addresses remembered for `server_connect`. Allowed tunnels carry
+  TLS through unmodified (no interception); the first bytes must be a ClientHello whose SNI
+  equals the CONNECT host (`next_layer`), anything else closes the tunnel before any upstream
+  connection is opened.
+- Plain HTTP (`requestheaders`): the same per request, on the URL, and the Host header must
+  match the request's authority.
+- `server_connect`: the connection goes to a checked address (mitmproxy then does no DNS);
+  anything our hooks did not vet is refused.
+- Every hook catches its own exceptions and denies: mitmproxy only logs an exception raised in
+  a hook and carries on, which would fail open.
+
+mitmproxy keeps process-global state (`mitmproxy.ctx.master`): one engine runs per process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from mitmproxy import http, options
+from mitmproxy.addons import next_layer as mitm_next_layer
+from mitmproxy.addons import proxyserver
+from mitmproxy.master import Master
+from mitmproxy.net.http import url as mitm_url
+from mitmproxy.net.tls import starts_like_tls_record
+from mitmproxy.proxy import commands, events, layer, layers
+from mitmproxy.proxy.layers.tls import parse_client_hello
+
+from policy import decisions as d
+from policy.hostnames import normalize_host, parse_ip_literal
+from proxy.audit import CloseEvent, DecisionEvent
+from proxy.errors import ProxyError
+
+if TYPE_CHECKING:
+    from mitmproxy.connection import Client
+    from mitmproxy.proxy.server_hooks import ServerConnectionHookData
+
+    from policy import AddressDecision, Decision, Policy
+    from proxy.audit import AuditLog
+    from proxy.config import Config
+    from proxy.metrics import Metrics
+    from proxy.resolver import Resolver
+
+logger = logging.getLogger(__name__)
+
+# Reason codes of the engine (the policy core's codes are in policy/decisions.py).
+HOST_MISMATCH = "host_mismatch"
+NOT_VETTED = "not_vetted"
+SNI_MISSING = "sni_missing"
+SNI_MISMATCH = "sni_mismatch"
+NOT_TLS = "not_tls"
+INVALID_CLIENT_HELLO = "invalid_client_hello"
+INSPECTION_UNSUPPORTED = "inspection_unsupported"
+UNSUPPORTED_SCHEME = "unsupported_scheme"
+INTERNAL_ERROR = d.INTERNAL_ERROR
+
+DENIED_HEADER = "X-Egress-Denied"
+ERROR_HEADER = "X-Egress-Error"
+# Bodies above this many bytes are streamed, not buffered (DESIGN 4). Small bodies are buffered
+# whole, which is cheaper per request and bounded by this size.
+STREAM_LARGE_BODIES = "64k"
+STREAM_THRESHOLD = 64 * 1024
+# A ClientHello longer than this without completing is refused (a real one is a few KiB, a
+# post-quantum one about 2 KiB more).
+MAX_CLIENT_HELLO = 64 * 1024
+_MAX_SHOWN = 200
+
+_running: Engine | None = None
+
+
+def _shown(text: object) -> str:
+    """Client-controlled text for a one-line body: printable ASCII, capped."""
+    value = "".join(c if " " <= c <= "~" else "?" for c in str(text))
+    return value if len(value) <= _MAX_SHOWN else value[: _MAX_SHOWN - 3] + "..."
+
+
+def _authority(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _deny_response(status: int, host: str, port: int | None, reason: str, *, error: bool = False):
+    where = _shown(host if port is None else _authority(host, port))
+    verb = "failed" if error else "denied"
+    body = f"egress-proxy: {where} {verb}: {reason}\n".encode("ascii", "replace")
+    header = ERROR_HEADER if error else DENIED_HEADER
+    return http.Response.make(
+        status,
+        body,
+        # No "Connection: close": a denied plain-HTTP request leaves the client's keep-alive
+        # connection usable for its next request (a refused CONNECT is closed by mitmproxy).
+        {header: reason, "Content-Type": "text/plain; charset=us-ascii"},
+    )
+
+
+class Refused(Exception):
+    """A denial inside a hook: the status, reason and message of the response."""
+
+    def __init__(self, status: int, reason: str, message: str, *, error: bool = False) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+        self.message = message
+        self.error = error
+
+
+@dataclass(slots=True)
+class _Tunnel:
+    """An allowed CONNECT tunnel, waiting for its ClientHello."""
+
+    host: str  # normalised, as the policy decided it
+    port: int
+    decided: bool = False
+
+
+@dataclass(slots=True)
+class _ClientState:
+    opened: float
+    # (host as mitmproxy will dial it, port) -> the checked addresses, in answer order.
+    vetted: dict[tuple[str, int], tuple[str, ...]] = field(default_factory=dict)
+    last_host: str | None = None
+    last_port: int | None = None
+    sni: str | None = None
+    upstream: str | None = None
+    pinned: tuple[str, ...] | None = None
+    protocol: str = "http"
+    tunnels: list[str] = field(default_factory=list)  # Server.id of its CONNECT tunnels
+
+
+class _CloseClient(layer.Layer):
+    """Closes the client connection at once; no upstream connection is ever opened."""
+
+    def __init__(self, context: Any) -> None:
+        super().__init__(context)
+        self._closed = False
+
+    def _handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
+        if not self._closed:
+            self._closed = True
+            yield commands.CloseConnection(self.context.client)
+
+
+class EgressAddon:
+    """The mitmproxy addon that enforces one policy. See the module docstring."""
+
+    name = "egress"
+
+    def __init__(
+        self,
+        policy: Policy,
+        resolver: Resolver,
+        metrics: Metrics | None = None,
+        audit: AuditLog | None = None,
+    ) -> None:
+        self.policy = policy
+        self.resolver = resolver
+        self.metrics = metrics
+        self.audit = audit
+        self._clients: dict[str, _ClientState] = {}
+        self._tunnels: dict[str, _Tunnel] = {}  # keyed by the tunnel's Server.id
+        self._names: dict[str, tuple[str, int]] = {}  # Server.id -> address before pinning
+
+    # -- bookkeeping -------------------------------------------------------------------------
+
+    def _state(self, client: Client) -> _ClientState:
+        state = self._clients.get(client.id)
+        if state is None:
+            state = self._clients[client.id] = _ClientState(time.monotonic())
+        return state
+
+    def _event(self, event: DecisionEvent) -> None:
+        if self.audit is not None:
+            self.audit.decision(event)
+
+    def _record(
+        self, result: Decision | AddressDecision, client: Client, protocol: str, **context: Any
+    ) -> None:
+        if self.metrics is not None:
+            self.metrics.record(result, "l7")
+        self._event(
+            DecisionEvent.from_policy(
+                result,
+                plane="l7",
+                protocol=protocol,
+                client=client.peername,
+                connection=client.id,
+                **context,
+            )
+        )
+
+    def _refusal(
+        self, refused: Refused, client: Client, host: str, port: int | None, protocol: str, **ctx
+    ) -> None:
+        """Metrics and audit for a denial the policy core did not produce itself."""
+        stage = ctx.pop("stage", "engine")
+        if self.metrics is not None:
+            self.metrics.decision(False, refused.reason, stage, "l7")
+        self._event(
+            DecisionEvent(
+                decision="deny",
+                reason=refused.reason,
+                host=host,
+                port=port,
+                stage=stage,
+                plane="l7",
+                protocol=protocol,
+                client=client.peername,
+                connection=client.id,
+                message=refused.message,
+                **ctx,
+            )
+        )
+
+    # -- the shared stages -------------------------------------------------------------------
+
+    async def _vet(
+        self, target: str, dial_host: str, port: int, client: Client, protocol: str, **ctx: Any
+    ) -> tuple[Decision, tuple[str, ...]]:
+        """Name stage, DNS once, address stage. Returns the decision and the checked addresses
+        (also remembered for `server_connect`); raises Refused."""
+        policy = self.policy  # one policy for the whole decision, even across a reload
+        decision = policy.decide(target)
+        self._record(decision, client, protocol, **ctx)
+        if not decision.allowed:
+            raise Refused(403, decision.reason, decision.message)
+        if decision.needs_inspection:
+            # Path rules need TLS interception (CONNECT) that this engine does not do yet.
+            refused = Refused(403, INSPECTION_UNSUPPORTED, "this host's rules need TLS inspection")
+            self._refusal(refused, client, decision.host, port, protocol, stage="name", **ctx)
+            raise refused
+        host = decision.host
+        literal = parse_ip_literal(host)
+        if literal is not None:
+            addresses: Sequence[str] = (str(literal),)
+            cname_chain: Sequence[str] = ()
+        else:
+            started = time.monotonic()
+            try:
+                answer = await self.resolver.resolve(host)
+            except ProxyError as exc:
+                if self.metrics is not None:
+                    self.metrics.dns_lookup(time.monotonic() - started, exc.reason)
+                status = 504 if exc.reason == "dns_timeout" else 502
+                refused = Refused(status, exc.reason, exc.message, error=True)
+                self._refusal(refused, client, host, port, protocol, stage="dns", **ctx)
+                raise refused from None
+            if self.metrics is not None:
+                self.metrics.dns_lookup(time.monotonic() - started, "ok")
+            addresses, cname_chain = answer.addresses, answer.cname_chain
+        checked = policy.check_addresses(host, addresses, cname_chain=cname_chain)
+        self._record(checked, client, protocol, port=port, rule=decision.rule, **ctx)
+        if not checked.allowed or not checked.pinned:
+            raise Refused(403, checked.reason or d.NO_ADDRESSES, checked.message)
+        state = self._state(client)
+        state.vetted[(dial_host, port)] = checked.pinned
+        state.last_host, state.last_port, state.pinned = host, port, checked.pinned
+        state.protocol = protocol
+        return decision, checked.pinned
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def client_connected(self, client: Client) -> None:
+        try:
+            self._state(client)
+            if self.metrics is not None:
+                self.metrics.connection_opened("l7", "http")
+        except Exception:
+            logger.exception("egress: client_connected failed")
+
+    def client_disconnected(self, client: Client) -> None:
+        try:
+            state = self._clients.pop(client.id, None)
+            for server_id in state.tunnels if state is not None else ():
+                self._tunnels.pop(server_id, None)
+                self._names.pop(server_id, None)
+            duration = time.monotonic() - state.opened if state is not None else 0.0
+            if self.metrics is not None:
+                self.metrics.connection_closed("l7", 0, 0, duration)
+            if self.audit is not None and state is not None:
+                self.audit.closed(
+                    CloseEvent(
+                        host=state.last_host,
+                        port=state.last_port,
+                        plane="l7",
+                        protocol=state.protocol,
+                        client=client.peername,
+                        connection=client.id,
+                        sni=state.sni,
+                        upstream=state.upstream,
+                        duration=duration,
+                        reason="closed",
+                        pinned=state.pinned,
+                    )
+                )
+        except Exception:
+            logger.exception("egress: client_disconnected failed")
+
+    async def http_connect(self, flow: http.HTTPFlow) -> None:
+        client = flow.client_conn
+        host, port = flow.request.host, flow.request.port
+        try:
+            decision, _ = await self._vet(
+                _authority(host, port), host, port, client, "connect", method="CONNECT"
+            )
+            self._tunnels[flow.server_conn.id] = _Tunnel(decision.host, port)
+            self._state(client).tunnels.append(flow.server_conn.id)
+        except Refused as refused:
+            flow.response = _deny_response(
+                refused.status, host, port, refused.reason, error=refused.error
+            )
+        except Exception as exc:
+            logger.exception("egress: http_connect failed")
+            self._internal_error(flow, client, host, port, "connect", exc)
+
+    async def requestheaders(self, flow: http.HTTPFlow) -> None:
+        client = flow.client_conn
+        request = flow.request
+        host, port = request.host, request.port
+        try:
+            if request.method == "CONNECT":  # not called for CONNECT; be sure anyway
+                raise Refused(403, INTERNAL_ERROR, "unexpected CONNECT")
+            ctx = {"method": request.method, "path": request.path}
+            if request.scheme != "http":
+                refused = Refused(403, UNSUPPORTED_SCHEME, f"scheme {request.scheme!r}")
+                self._refusal(refused, client, host, port, "http", stage="name", **ctx)
+                raise refused
+            self._check_host_header(request, client, **ctx)
+            url = f"http://{_authority(host, port)}{request.path}"
+            await self._vet(url, host, port, client, "http", **ctx)
+        except Refused as refused:
+            self._answer(
+                flow,
+                _deny_response(refused.status, host, port, refused.reason, error=refused.error),
+            )
+        except Exception as exc:
+            logger.exception("egress: requestheaders failed")
+            self._internal_error(flow, client, host, port, "http", exc)
+
+    @staticmethod
+    def _answer(flow: http.HTTPFlow, response: http.Response) -> None:
+        """Answer a request from the proxy. mitmproxy cannot stream a request body and answer
+        the request at once (NotImplementedError in HttpStream.start_request_stream): a request
+        whose body it would stream (above stream_large_bodies, or chunked, which may grow past
+        it) is killed instead, which closes the client connection. Either way nothing goes
+        upstream."""
+        request = flow.request
+        length = request.headers.get("content-length", "")
+        chunked = "chunked" in request.headers.get("transfer-encoding", "").lower()
+        declared_large = bool(length) and (not length.isdigit() or int(length) > STREAM_THRESHOLD)
+        large = chunked or declared_large
+        if request.stream or large:
+            flow.kill()
+        else:
+            flow.response = response
+
+    def _check_host_header(self, request: http.Request, client: Client, **ctx: Any) -> None:
+        header = request.headers.get_all("host")
+        reason_message = None
+        if len(header) != 1:
+            reason_message = f"{len(header)} Host headers"
+        else:
+            try:
+                h_host, h_port = mitm_url.parse_authority(header[0], check=True)
+            except ValueError:
+                h_host, h_port = None, None
+                reason_message = "invalid Host header"
+            if h_host is not None:
+                h_port = h_port or mitm_url.default_port(request.scheme)
+                if _canonical(h_host) != _canonical(request.host) or h_port != request.port:
+                    reason_message = (
+                        f"Host header {_shown(header[0])!r} does not match "
+                        f"{_shown(_authority(request.host, request.port))!r}"
+                    )
+        if reason_message is not None:
+            refused = Refused(403, HOST_MISMATCH, reason_message)
+            self._refusal(refused, client, request.host, request.port, "http", stage="host", **ctx)
+            raise refused
+
+    def _internal_error(
+        self,
+        flow: http.HTTPFlow,
+        client: Client,
+        host: str,
+        port: int,
+        protocol: str,
+        exc: BaseException,
+    ) -> None:
+        try:
+            response = _deny_response(403, host, port, INTERNAL_ERROR)
+            if flow.request.method == "CONNECT":
+                flow.response = response
+            else:
+                self._answer(flow, response)
+            refused = Refused(403, INTERNAL_ERROR, f"internal error: {type(exc).__name__}")
+            self._refusal(refused, client, host, port, protocol)
+        except Exception:
+            flow.kill()
+
+    def next_layer(self, nextlayer: layer.NextLayer) -> None:
+        """The SNI gate of an allowed tunnel: the first bytes must be a ClientHello whose SNI
+        equals the CONNECT host; then bytes pass through unmodified (no interception)."""
+        context = nextlayer.context
+        tunnel = self._tunnels.get(context.server.id) if context.server is not None else None
+        if tunnel is None or nextlayer.layer is not None:
+            return  # not a tunnel of ours: mitmproxy's NextLayer decides (see _GuardedNextLayer)
+        try:
+            data = nextlayer.data_client()
+            if not data:
+                return  # nothing yet: decide on the first bytes
+            refused: Refused | None = None
+            sni: str | None = None
+            if not starts_like_tls_record(data):
+                refused = Refused(403, NOT_TLS, "the tunnel did not start with a TLS ClientHello")
+            else:
+                try:
+                    hello = parse_client_hello(data)
+                except ValueError:
+                    hello = None
+                    refused = Refused(403, INVALID_CLIENT_HELLO, "invalid TLS ClientHello")
+                if hello is None and refused is None:
+                    if len(data) > MAX_CLIENT_HELLO:
+                        refused = Refused(403, INVALID_CLIENT_HELLO, "ClientHello too long")
+                    else:
+                        return  # a ClientHello split across reads: wait for the rest
+                if hello is not None:
+                    sni = hello.sni
+                    if not sni:
+                        refused = Refused(403, SNI_MISSING, "the ClientHello has no SNI")
+                    elif _canonical(sni) != tunnel.host:
+                        refused = Refused(
+                            403,
+                            SNI_MISMATCH,
+                            f"SNI {_shown(sni)!r} is not the CONNECT host {tunnel.host!r}",
+                        )
+            tunnel.decided = True
+            state = self._state(context.client)
+            state.sni = sni
+            if refused is not None:
+                self._refusal(
+                    refused,
+                    context.client,
+                    tunnel.host,
+                    tunnel.port,
+                    "connect",
+                    stage="sni",
+                    sni=sni,
+                )
+                nextlayer.layer = _CloseClient(context)
+                return
+            if self.metrics is not None:
+                self.metrics.decision(True, d.ALLOWED, "sni", "l7")
+            self._event(
+                DecisionEvent(
+                    decision="allow",
+                    reason=d.ALLOWED,
+                    host=tunnel.host,
+                    port=tunnel.port,
+                    stage="sni",
+                    plane="l7",
+                    protocol="connect",
+                    client=context.client.peername,
+                    connection=context.client.id,
+                    sni=sni,
+                )
+            )
+            nextlayer.layer = layers.TCPLayer(context, ignore=True)
+        except Exception:
+            logger.exception("egress: next_layer failed")
+            with contextlib.suppress(Exception):
+                tunnel.decided = True
+                nextlayer.layer = _CloseClient(context)
+
+    def claims(self, nextlayer: layer.NextLayer) -> bool:
+        """True when the layer decision of this context is ours alone (an allowed tunnel)."""
+        server = nextlayer.context.server
+        return server is not None and server.id in self._tunnels
+
+    def server_connect(self, data: ServerConnectionHookData) -> None:
+        """Pin: dial a checked address; refuse anything our hooks did not vet."""
+        try:
+            address = data.server.address
+            state = self._clients.get(data.client.id)
+            pins = None
+            if address is not None and state is not None:
+                pins = state.vetted.get((address[0], address[1]))
+            tunnel = self._tunnels.get(data.server.id)
+            if tunnel is not None and not tunnel.decided:
+                pins = None  # a tunnel connects only after the SNI gate let it through
+            if not pins or address is None:
+                data.server.error = "egress-proxy: destination not vetted by policy"
+                host, port = (address[0], address[1]) if address else (None, None)
+                self._refusal(
+                    Refused(403, NOT_VETTED, "server connection not vetted by policy"),
+                    data.client,
+                    host,
+                    port,
+                    "http",
+                    stage="connect",
+                )
+                return
+            self._names[data.server.id] = (address[0], address[1])
+            data.server.address = (pins[0], address[1])
+            if state is not None:
+                state.upstream = _authority(pins[0], address[1])
+        except Exception:
+            logger.exception("egress: server_connect failed")
+            data.server.error = "egress-proxy: internal error"
+
+    def server_connected(self, data: ServerConnectionHookData) -> None:
+        # Put the name back, so mitmproxy's connection reuse (keyed by address) matches the next
+        # request to the same host:port; the socket stays connected to the pinned address.
+        try:
+            name = self._names.pop(data.server.id, None)
+            if name is not None:
+                # Server.__setattr__ refuses to change `address` on an open connection
+                # (mitmproxy/connection.py, Server.__setattr__); the socket is already
+                # connected, so only the reuse key changes.
+                object.__setattr__(data.server, "address", name)
+        except Exception:
+            logger.exception("egress: server_connected failed")
+
+    def server_connect_error(self, data: ServerConnectionHookData) -> None:
+        with contextlib.suppress(Exception):
+            self._names.pop(data.server.id, None)
+
+    def server_disconnected(self, data: ServerConnectionHookData) -> None:
+        with contextlib.suppress(Exception):
+            self._names.pop(data.server.id, None)
+            self._tunnels.pop(data.server.id, None)
+
+
+class _GuardedNextLayer(mitm_next_layer.NextLayer):
+    """mitmproxy's NextLayer, except for our tunnels: their layer is chosen by the SNI gate only,
+    also while it waits for the rest of a ClientHello (mitmproxy's would intercept TLS)."""
+
+    name = "nextlayer"
+
+    def __init__(self, egress: EgressAddon) -> None:
+        self._egress = egress
+
+    def next_layer(self, nextlayer: layer.NextLayer) -> None:
+        if self._egress.claims(nextlayer):
+            return
+        super().next_layer(nextlayer)
+
+
+def _canonical(host: str) -> str:
+    """The policy's spelling of a host for comparisons (SNI, Host header); garbage stays as is
+    and so compares unequal."""
+    text = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    with contextlib.suppress(ValueError):
+        return str(ipaddress.ip_address(text))
+    try:
+        return normalize_host(text)
+    except Exception:
+        return "\0" + host
+
+
+class Engine:
+    """The L7 engine as a component: start, stop, set_policy."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        resolver: Resolver,
+        config: Config,
+        metrics: Metrics | None = None,
+        audit: AuditLog | None = None,
+        session_id: str | None = None,
+    ) -> None:
+        self.config = config
+        self.session_id = session_id
+        self.addon = EgressAddon(policy, resolver, metrics, audit)
+        self.master: Master | None = None
+        self.address: tuple[str, int] | None = None
+
+    @property
+    def policy(self) -> Policy:
+        return self.addon.policy
+
+    def set_policy(self, policy: Policy) -> None:
+        """Every decision from now on uses `policy` (a reload). Live tunnels are not closed."""
+        self.addon.policy = policy
+
+    async def start(
+        self, listen_host: str = "127.0.0.1", listen_port: int = 3128
+    ) -> tuple[str, int]:
+        """Listen (explicit HTTP proxy) and return the bound address."""
+        global _running
+        if _running is not None:
+            raise ProxyError("engine_running", "an engine already runs in this process")
+        _running = self
+        try:
+            opts = options.Options()
+            master = Master(opts)
+            self.master = master
+            server = proxyserver.Proxyserver()
+            # Order matters: our hooks run before mitmproxy's (server_connect pins before
+            # Proxyserver's self-connect check; next_layer claims tunnels first).
+            master.addons.add(self.addon, server, _GuardedNextLayer(self.addon))
+            # Options of addons exist only once the addons are added. No Block, Onboarding,
+            # DnsResolver or TlsConfig addon is loaded: no global block page, no mitm.it, no
+            # name resolution by mitmproxy, no TLS interception.
+            opts.update(
+                mode=["regular"],
+                listen_host=listen_host,
+                listen_port=listen_port,
+                connection_strategy="lazy",
+                stream_large_bodies=STREAM_LARGE_BODIES,
+                tcp_timeout=max(1, int(self.config.limits.idle_timeout)),
+                rawtcp=False,
+                http3=False,
+            )
+            ok = await server.setup_servers()
+            if not ok:
+                errors = [str(s.last_exception) for s in server.servers if s.last_exception]
+                raise ProxyError(
+                    "listen_failed",
+                    f"cannot listen on {_authority(listen_host, listen_port)}: "
+                    + ("; ".join(errors) or "unknown error"),
+                )
+            await master.running()
+            addresses = server.listen_addrs()
+            if not addresses:
+                raise ProxyError("listen_failed", "the engine bound no address")
+            self.address = (addresses[0][0], addresses[0][1])
+            return self.address
+        except BaseException:
+            await self._shutdown()
+            raise
+
+    async def stop(self) -> None:
+        """Stop listening, close live connections, run mitmproxy's done hooks."""
+        await self._shutdown()
+
+    async def _shutdown(self) -> None:
+        global _running
+        master, self.master = self.master, None
+        try:
+            if master is None:
+                return
+            server = master.addons.get("proxyserver")
+            if server is not None:
+                with contextlib.suppress(Exception):
+                    await server.servers.update([])
+                for handler in list(server.connections.values()):
+                    for io in list(handler.transports.values()):
+                        if io.handler is not None:
+                            io.handler.cancel("engine stopping")
+                deadline = time.monotonic() + 5
+                while server.connections and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+            with contextlib.suppress(Exception):
+                await master.done()
+        finally:
+            if _running is self:
+                _running = None
+            self.address = None
