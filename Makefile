@@ -22,10 +22,9 @@ $(STAMP): $(CREATED) pyproject.toml
 
 run: $(STAMP)
 	$(VENV)/bin/egress-proxy check examples/agent.yaml --ceiling examples/ceiling.yaml \
-	  --config examples/config.yaml
-	$(VENV)/bin/egress-proxy explain examples/agent.yaml --ceiling examples/ceiling.yaml \
-	  --config examples/config.yaml --resolve pypi.org=151.101.0.223,10.0.0.7 \
-	  api.github.com https://pypi.org/simple/ example.org 127.1 localhost:8080
+	  --config examples/run-config.yaml
+	exec $(VENV)/bin/egress-proxy run examples/agent.yaml --ceiling examples/ceiling.yaml \
+	  --config examples/run-config.yaml
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check policy proxy tests benchmarks

@@ -12,9 +12,7 @@ import argparse
 import json
 import os
 import re
-import stat
 import sys
-import unicodedata
 from collections.abc import Sequence
 from typing import Any, NoReturn, TextIO
 
@@ -27,15 +25,14 @@ from policy import (
     check_manifest,
     classify,
     compile_policy,
-    load_ceiling,
-    load_manifest,
     parse_address,
 )
-from policy.documents import MAX_DOCUMENT_BYTES, too_large
 from policy.hostnames import normalize_host, parse_ip_literal
 from policy.manifests import FORMATS
 from policy.urls import parse_target
 from proxy.config import Config, load_config
+from proxy.inputs import load_inputs, read_input, source_name
+from proxy.terminal import printable
 
 EXIT_OK, EXIT_FINDINGS, EXIT_INPUT, EXIT_INTERNAL = 0, 1, 2, 70
 
@@ -80,41 +77,30 @@ def build_parser() -> argparse.ArgumentParser:
     classify_p = sub.add_parser("classify", help="classify IP addresses")
     inputs(classify_p, manifest=False)
     classify_p.add_argument("addresses", nargs="+", metavar="ADDRESS")
+    run = sub.add_parser("run", help="run the session proxy (SIGTERM drains, SIGHUP reloads)")
+    run.add_argument("manifest", metavar="MANIFEST", help="agent.yaml or agent.toml ('-': stdin)")
+    run.add_argument(
+        "--ceiling", metavar="FILE", help="the tenant ceiling (YAML or JSON; re-read on SIGHUP)"
+    )
+    run.add_argument("--format", choices=FORMATS, help="override format detection")
+    run.add_argument(
+        "--config", metavar="FILE", help="operator config (YAML or JSON; re-read on SIGHUP)"
+    )
+    run.add_argument(
+        "--listen", metavar="HOST:PORT", default="127.0.0.1:3128", help="proxy listener"
+    )
+    run.add_argument(
+        "--admin", metavar="HOST:PORT", default="127.0.0.1:9901", help="/healthz /readyz /metrics"
+    )
+    run.add_argument("--session-id", metavar="ID", help="session id written on every audit line")
+    run.add_argument("--audit-log", metavar="FILE", help="append audit lines here (default stdout)")
     return parser
-
-
-def read_input(path: str) -> bytes:
-    """A file's bytes, bounded: a hostile 50 MB manifest is refused without reading it all."""
-    source = _source(path)
-    try:
-        if path == "-":
-            data = sys.stdin.buffer.read(MAX_DOCUMENT_BYTES + 1)
-        else:
-            with open(path, "rb") as handle:
-                info = os.fstat(handle.fileno())
-                if stat.S_ISDIR(info.st_mode):
-                    raise IsADirectoryError(21, "Is a directory")
-                # A regular file says its size: refuse a big one before reading a byte of it.
-                if stat.S_ISREG(info.st_mode) and info.st_size > MAX_DOCUMENT_BYTES:
-                    raise too_large(source, info.st_size)
-                data = handle.read(MAX_DOCUMENT_BYTES + 1)
-    except OSError as exc:
-        raise PolicyError(
-            "unreadable", f"cannot read: {exc.strerror or exc}", source=source
-        ) from None
-    if len(data) > MAX_DOCUMENT_BYTES:
-        raise too_large(source, None)
-    return data
-
-
-def _source(path: str) -> str:
-    return "<stdin>" if path == "-" else path
 
 
 def _load_config(args: argparse.Namespace) -> Config:
     if not args.config:
         return Config()
-    return load_config(read_input(args.config), source=_source(args.config))
+    return load_config(read_input(args.config), source=source_name(args.config))
 
 
 def _check_stdin(args: argparse.Namespace) -> None:
@@ -132,46 +118,17 @@ def _check_stdin(args: argparse.Namespace) -> None:
 
 def _load_inputs(args: argparse.Namespace) -> tuple[Manifest, Ceiling | None, Config]:
     _check_stdin(args)
-    config = _load_config(args)
-    suffixes = config.operator.internal_suffixes
-    # Standard input has no file name to imply a syntax: --format agent.toml means TOML there.
-    stdin_toml = args.manifest == "-" and args.format == "agent.toml"
-    manifest = load_manifest(
+    return load_inputs(
         read_input(args.manifest),
-        source=_source(args.manifest),
+        source_name(args.manifest),
         format=args.format,
-        syntax="toml" if stdin_toml else None,
-        internal_suffixes=suffixes,
+        ceiling_path=args.ceiling,
+        config_path=args.config,
     )
-    ceiling = None
-    if args.ceiling:
-        ceiling = load_ceiling(
-            read_input(args.ceiling), source=_source(args.ceiling), internal_suffixes=suffixes
-        )
-    return manifest, ceiling, config
 
 
 def _print_json(value: Any, out: TextIO) -> None:
     out.write(json.dumps(value, indent=2, ensure_ascii=False) + "\n")
-
-
-_UNPRINTABLE = re.compile(r"[^\t -~]")
-
-
-def _escape(match: re.Match[str]) -> str:
-    ch = match.group()
-    # Control, format (bidi overrides) and separator characters could rewrite a terminal or
-    # reorder a line: a hostile manifest's key names reach these tables and messages.
-    if unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"):
-        return ch.encode("unicode_escape").decode("ascii")
-    return ch
-
-
-def printable(text: str) -> str:
-    """`text` safe for a terminal: invisible and control characters spelled as escapes."""
-    if text.isascii() and text.isprintable():
-        return text
-    return _UNPRINTABLE.sub(_escape, text)
 
 
 # A person reads the tables; a hostile or generated document can hold a million findings or
@@ -370,7 +327,32 @@ def cmd_classify(args: argparse.Namespace, out: TextIO) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"check": cmd_check, "explain": cmd_explain, "classify": cmd_classify}
+# -- run -----------------------------------------------------------------------------------
+
+
+def cmd_run(args: argparse.Namespace, out: TextIO) -> int:
+    # Imported here: check, explain and classify never load mitmproxy.
+    from proxy import runtime
+    from proxy.admin import parse_listen
+
+    listen = parse_listen(args.listen)
+    admin = parse_listen(args.admin)
+    # Everything is read and compiled before anything listens: a problem exits here.
+    inputs = runtime.read_inputs(
+        args.manifest, ceiling=args.ceiling, config=args.config, format=args.format
+    )
+    compiled = runtime.compile_inputs(inputs)
+    return runtime.run(
+        inputs,
+        compiled,
+        listen=listen,
+        admin=admin,
+        session_id=args.session_id,
+        audit_log=args.audit_log,
+    )
+
+
+COMMANDS = {"check": cmd_check, "explain": cmd_explain, "classify": cmd_classify, "run": cmd_run}
 
 
 _HEADLINES = {

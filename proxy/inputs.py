@@ -1,0 +1,72 @@
+"""A session's inputs read from files: bounded reads, then the manifest, ceiling and config
+parsed as one set. The CLI's commands and `run` (at start-up and on every reload) share it."""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+
+from policy import Ceiling, Manifest, PolicyError, load_ceiling, load_manifest
+from policy.documents import MAX_DOCUMENT_BYTES, too_large
+from policy.manifests import Format
+from proxy.config import Config, load_config
+
+
+def read_input(path: str) -> bytes:
+    """A file's bytes, bounded: a hostile 50 MB manifest is refused without reading it all."""
+    source = source_name(path)
+    try:
+        if path == "-":
+            data = sys.stdin.buffer.read(MAX_DOCUMENT_BYTES + 1)
+        else:
+            with open(path, "rb") as handle:
+                info = os.fstat(handle.fileno())
+                if stat.S_ISDIR(info.st_mode):
+                    raise IsADirectoryError(21, "Is a directory")
+                # A regular file says its size: refuse a big one before reading a byte of it.
+                if stat.S_ISREG(info.st_mode) and info.st_size > MAX_DOCUMENT_BYTES:
+                    raise too_large(source, info.st_size)
+                data = handle.read(MAX_DOCUMENT_BYTES + 1)
+    except OSError as exc:
+        raise PolicyError(
+            "unreadable", f"cannot read: {exc.strerror or exc}", source=source
+        ) from None
+    if len(data) > MAX_DOCUMENT_BYTES:
+        raise too_large(source, None)
+    return data
+
+
+def source_name(path: str) -> str:
+    return "<stdin>" if path == "-" else path
+
+
+def load_inputs(
+    manifest_bytes: bytes,
+    manifest_source: str,
+    *,
+    format: Format | None = None,
+    ceiling_path: str | None = None,
+    config_path: str | None = None,
+) -> tuple[Manifest, Ceiling | None, Config]:
+    """The manifest (already read: `run` keeps the bytes of start-up), with the ceiling and the
+    config read from their files. Raises PolicyError for unusable input."""
+    config = Config()
+    if config_path:
+        config = load_config(read_input(config_path), source=source_name(config_path))
+    suffixes = config.operator.internal_suffixes
+    # Standard input has no file name to imply a syntax: --format agent.toml means TOML there.
+    stdin_toml = manifest_source == "<stdin>" and format == "agent.toml"
+    manifest = load_manifest(
+        manifest_bytes,
+        source=manifest_source,
+        format=format,
+        syntax="toml" if stdin_toml else None,
+        internal_suffixes=suffixes,
+    )
+    ceiling = None
+    if ceiling_path:
+        ceiling = load_ceiling(
+            read_input(ceiling_path), source=source_name(ceiling_path), internal_suffixes=suffixes
+        )
+    return manifest, ceiling, config

@@ -1,0 +1,300 @@
+"""`egress-proxy run`: the components put together into one running session proxy.
+
+    inputs = load_inputs(manifest, ceiling=..., config=...)   # fails closed, nothing listens yet
+    code = asyncio.run(serve(inputs, listen=("127.0.0.1", 3128), admin=("127.0.0.1", 9901), ...))
+
+Start-up order: read and compile everything (a PolicyError here is reported by the CLI with the
+same exit codes as `check`), open the audit log, bind the admin listener, bind the engine, then
+mark the proxy ready. A bind failure stops whatever was already started and exits 2.
+
+Signals (handled on the event loop):
+- SIGTERM / SIGINT: `/readyz` turns 503 at once (draining), the proxy listener stops accepting,
+  live connections get up to the drain timeout to finish, then the engine and the admin listener
+  stop and the process exits 0. A second signal skips the rest of the drain.
+- SIGHUP: re-reads the ceiling and the operator config files and recompiles the policy (the
+  manifest is immutable for an agent version: its bytes are the ones read at start-up). Only a
+  policy that compiled replaces the running one; any failure keeps the old policy, says why on
+  stderr and counts a failed reload. Live tunnels are not closed by a reload (not done yet): the
+  new policy applies to every later decision. `limits` apply from start-up only; a changed DNS
+  configuration takes effect with a new resolver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import platform
+import signal
+import sys
+from dataclasses import dataclass
+from importlib import metadata
+from typing import TextIO
+
+from policy import Policy, PolicyError, compile_policy
+from policy.manifests import Format
+from proxy.admin import AdminServer, Readiness, format_listen
+from proxy.audit import AuditLog
+from proxy.config import Config
+from proxy.engine import Engine
+from proxy.errors import ProxyError
+from proxy.inputs import load_inputs, read_input, source_name
+from proxy.metrics import Metrics
+from proxy.resolver import Resolver
+from proxy.terminal import printable
+
+# Upper bound of the SIGTERM drain: live connections get min(this, limits.idle_timeout).
+MAX_DRAIN_SECONDS = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Inputs:
+    """What a policy is compiled from. The manifest is kept as the bytes read at start-up."""
+
+    manifest_bytes: bytes
+    manifest_source: str
+    manifest_format: Format | None
+    ceiling_path: str | None
+    config_path: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Compiled:
+    policy: Policy
+    config: Config
+
+
+def read_inputs(
+    manifest: str,
+    *,
+    ceiling: str | None = None,
+    config: str | None = None,
+    format: Format | None = None,
+) -> Inputs:
+    for name, value in (("--ceiling", ceiling), ("--config", config)):
+        if value == "-":
+            # SIGHUP re-reads these files; standard input cannot be read twice.
+            raise PolicyError("usage", f"run: {name} must be a file (it is re-read on SIGHUP)")
+    return Inputs(read_input(manifest), source_name(manifest), format, ceiling, config)
+
+
+def compile_inputs(inputs: Inputs) -> Compiled:
+    """Read the config and ceiling files, parse the manifest and compile. Raises PolicyError
+    (invalid_manifest for a manifest that does not compile; other reasons for bad input)."""
+    manifest, ceiling, config = load_inputs(
+        inputs.manifest_bytes,
+        inputs.manifest_source,
+        format=inputs.manifest_format,
+        ceiling_path=inputs.ceiling_path,
+        config_path=inputs.config_path,
+    )
+    return Compiled(compile_policy(manifest, ceiling, config.operator), config)
+
+
+def _version() -> str:
+    try:
+        return metadata.version("egress-proxy")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class Runtime:
+    """One running proxy: engine, admin listener, audit log, signals."""
+
+    def __init__(
+        self,
+        inputs: Inputs,
+        compiled: Compiled,
+        *,
+        listen: tuple[str, int],
+        admin: tuple[str, int],
+        session_id: str | None = None,
+        audit_log: str | None = None,
+        err: TextIO | None = None,
+    ) -> None:
+        self.inputs = inputs
+        self.compiled = compiled
+        self.listen = listen
+        self.admin_address = admin
+        self.session_id = session_id
+        self.audit_path = audit_log
+        self._err = err
+        self.metrics = Metrics()
+        self.readiness = Readiness()
+        self.engine: Engine | None = None
+        self.admin: AdminServer | None = None
+        self.audit: AuditLog | None = None
+        self._stop = asyncio.Event()
+        self._hurry = asyncio.Event()
+        self._reload_lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- output --------------------------------------------------------------------------------
+
+    def say(self, text: str) -> None:
+        err = self._err or sys.stderr
+        with contextlib.suppress(Exception):
+            err.write(printable(f"egress-proxy: {text}") + "\n")
+            err.flush()
+
+    def warn_findings(self, policy: Policy) -> None:
+        # Deploy-time ceiling findings: a lowered ceiling narrows the session, it does not stop it.
+        for f in policy.findings:
+            self.say(f"warning: {f.path}: {f.reason}: {f.message}")
+
+    # -- life cycle ----------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        config = self.compiled.config
+        self.metrics.set_build_info(_version(), platform.python_version())
+        self.readiness.set("policy_compiled", True)
+        self.warn_findings(self.compiled.policy)
+        resolver = Resolver.from_config(config)
+        try:
+            self.audit = AuditLog(self.audit_path, session=self.session_id, metrics=self.metrics)
+        except OSError as exc:
+            raise ProxyError(
+                "unreadable",
+                f"cannot open the audit log {self.audit_path}: {exc.strerror or exc}",
+            ) from None
+        try:
+            self.admin = AdminServer(self.readiness, self.metrics.render)
+            admin_host, admin_port = await self.admin.start(*self.admin_address)
+            self.engine = Engine(
+                self.compiled.policy, resolver, config, self.metrics, self.audit, self.session_id
+            )
+            try:
+                host, port = await self.engine.start(*self.listen)
+            except ProxyError as exc:
+                # mitmproxy's message carries a hint about its own --mode option: keep line one.
+                first = exc.message.splitlines()[0] if exc.message else str(exc)
+                raise ProxyError(exc.reason, first) from None
+            self.readiness.set("listeners_bound", True)
+            # Set here because nothing in this process can verify the sandbox boundary (that the
+            # agent cannot bypass this proxy); the sandbox shapes (issue 5) verify it and will
+            # set this condition from their own check.
+            self.readiness.set("boundary_verified", True)
+            self._install_signals()
+            where = format_listen(host, port)
+            self.say(
+                f"listening on {where} (admin http://{format_listen(admin_host, admin_port)}"
+                f"/readyz /metrics); try: curl -x http://{where} https://pypi.org/simple/"
+            )
+            await self._stop.wait()
+            await self._drain()
+            return 0
+        finally:
+            await self._shutdown()
+
+    def _install_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.request_stop)
+        loop.add_signal_handler(signal.SIGINT, self.request_stop)
+        loop.add_signal_handler(signal.SIGHUP, self.request_reload)
+
+    def request_stop(self) -> None:
+        if self._stop.is_set():
+            self._hurry.set()  # a second signal: no more draining
+        self._stop.set()
+        self.readiness.set("draining", True, "shutting down")
+
+    def request_reload(self) -> None:
+        task = asyncio.get_running_loop().create_task(self.reload())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _drain(self) -> None:
+        engine = self.engine
+        if engine is None or engine.master is None:
+            return
+        server = engine.master.addons.get("proxyserver")
+        if server is None:
+            return
+        with contextlib.suppress(Exception):
+            await server.servers.update([])  # stop accepting; live connections go on
+        timeout = min(MAX_DRAIN_SECONDS, self.compiled.config.limits.idle_timeout)
+        if server.connections:
+            self.say(
+                f"draining {len(server.connections)} live connection(s) for up to {timeout:g}s"
+            )
+        deadline = asyncio.get_running_loop().time() + timeout
+        while server.connections and not self._hurry.is_set():
+            if asyncio.get_running_loop().time() >= deadline:
+                self.say(f"drain timeout: closing {len(server.connections)} live connection(s)")
+                break
+            await asyncio.sleep(0.05)
+
+    async def _shutdown(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self.engine is not None:
+            with contextlib.suppress(Exception):
+                await self.engine.stop()
+        if self.admin is not None:
+            with contextlib.suppress(Exception):
+                await self.admin.stop()
+        if self.audit is not None:
+            self.audit.close()
+
+    # -- reload --------------------------------------------------------------------------------
+
+    async def reload(self) -> bool:
+        """Recompile from the ceiling and config files; swap only a policy that compiled."""
+        async with self._reload_lock:
+            try:
+                compiled = await asyncio.to_thread(compile_inputs, self.inputs)
+            except PolicyError as exc:
+                self.metrics.reload(ok=False)
+                self.say(f"reload failed, keeping the previous policy: {exc}")
+                return False
+            except Exception as exc:  # fail closed on the old policy, never crash the proxy
+                self.metrics.reload(ok=False)
+                self.say(
+                    "reload failed (internal error "
+                    f"{type(exc).__name__}: {str(exc)[:200]}), keeping the previous policy"
+                )
+                return False
+            if self.engine is None or self._stop.is_set():
+                return False
+            old = self.compiled.config
+            new = compiled.config
+            if (old.nameservers, old.dns_timeout) != (new.nameservers, new.dns_timeout):
+                try:
+                    resolver = Resolver.from_config(new)
+                except Exception as exc:
+                    self.metrics.reload(ok=False)
+                    self.say(f"reload failed, keeping the previous policy: {exc}")
+                    return False
+                self.engine.addon.resolver = resolver
+            self.engine.set_policy(compiled.policy)
+            self.compiled = compiled
+            self.metrics.reload(ok=True)
+            self.warn_findings(compiled.policy)
+            self.say(f"reloaded: {len(compiled.policy.rules_json())} rule(s) in force")
+            return True
+
+
+def run(
+    inputs: Inputs,
+    compiled: Compiled,
+    *,
+    listen: tuple[str, int],
+    admin: tuple[str, int],
+    session_id: str | None = None,
+    audit_log: str | None = None,
+    err: TextIO | None = None,
+) -> int:
+    """Serve until SIGTERM/SIGINT; 0 after a clean drain. Raises ProxyError on bind failures."""
+
+    async def main() -> int:
+        runtime = Runtime(
+            inputs,
+            compiled,
+            listen=listen,
+            admin=admin,
+            session_id=session_id,
+            audit_log=audit_log,
+            err=err,
+        )
+        return await runtime.run()
+
+    return asyncio.run(main())
