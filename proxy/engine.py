@@ -18,7 +18,21 @@ enforces (DESIGN 3):
 - Plain HTTP (`requestheaders`): the same per request, on the URL, and the Host header must
   match the request's authority.
 - `server_connect`: the connection goes to a checked address (mitmproxy then does no DNS);
-  anything our hooks did not vet is refused.
+  anything our hooks did not vet is refused. The dial itself is ours (`_open_connection`, put
+  in place of `asyncio.open_connection` inside mitmproxy.proxy.server while an engine runs):
+  the checked addresses in answer order, each with `limits.connect_timeout`, falling back to
+  the next on failure, never a fresh resolution. The upstream streams it returns count bytes
+  (up = written to upstreams, down = read from them, HTTP heads included; nothing kept), which
+  also covers passthrough tunnels, whose ignored TCP flows have no data hooks.
+- Upstream errors (DESIGN 3.6): plain HTTP gets 502 `X-Egress-Error: upstream_refused` (every
+  checked address failed, not all by timeout) or 504 `upstream_timeout` (all timed out), with
+  `Connection: close` (mitmproxy closes the client after a failed connect). A CONNECT tunnel is
+  lazy: its 200 was sent before the SNI gate, the dial comes after it, so a failed dial closes
+  the tunnel (the client sees EOF); the audit line (stage `upstream`) has the reason.
+- Overload: a client connection beyond `limits.max_connections` live ones is answered 503
+  `X-Egress-Error: overload` at accept, before anything is read, and closed.
+- Reload (`Engine.set_policy`): live client connections whose destinations the new policy
+  denies (name stage on what was decided, address stage on the checked addresses) are closed.
 - Every hook catches its own exceptions and denies: mitmproxy only logs an exception raised in
   a hook and carries on, which would fail open.
 
@@ -31,6 +45,7 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,9 +55,12 @@ from mitmproxy import http, options
 from mitmproxy.addons import next_layer as mitm_next_layer
 from mitmproxy.addons import proxyserver
 from mitmproxy.master import Master
+from mitmproxy.net.http import http1 as mitm_http1
 from mitmproxy.net.http import url as mitm_url
 from mitmproxy.net.tls import starts_like_tls_record
 from mitmproxy.proxy import commands, events, layer, layers
+from mitmproxy.proxy import server as mitm_server
+from mitmproxy.proxy.layers.http import _http1 as mitm_http1_layer
 from mitmproxy.proxy.layers.tls import parse_client_hello
 
 from policy import decisions as d
@@ -71,6 +89,10 @@ NOT_TLS = "not_tls"
 INVALID_CLIENT_HELLO = "invalid_client_hello"
 INSPECTION_UNSUPPORTED = "inspection_unsupported"
 UNSUPPORTED_SCHEME = "unsupported_scheme"
+UPSTREAM_REFUSED = "upstream_refused"
+UPSTREAM_TIMEOUT = "upstream_timeout"
+OVERLOAD = "overload"
+POLICY_RELOAD = "policy_reload"
 INTERNAL_ERROR = d.INTERNAL_ERROR
 
 DENIED_HEADER = "X-Egress-Denied"
@@ -143,6 +165,11 @@ class _ClientState:
     pinned: tuple[str, ...] | None = None
     protocol: str = "http"
     tunnels: list[str] = field(default_factory=list)  # Server.id of its CONNECT tunnels
+    # (host as mitmproxy will dial it, port) -> what the policy decided on (authority or URL),
+    # so a reload can decide every live destination of this connection again.
+    targets: dict[tuple[str, int], str] = field(default_factory=dict)
+    counted: _Bytes = field(default_factory=lambda: _Bytes())
+    close_reason: str = "closed"
 
 
 class _CloseClient(layer.Layer):
@@ -158,6 +185,148 @@ class _CloseClient(layer.Layer):
             yield commands.CloseConnection(self.context.client)
 
 
+@dataclass(slots=True)
+class _Bytes:
+    """Bytes moved by the upstream connections of one client connection."""
+
+    up: int = 0  # written to upstreams (client to upstream)
+    down: int = 0  # read from upstreams (upstream to client)
+
+
+class _CountingReader:
+    """An upstream StreamReader that counts what is read from it; it keeps no data."""
+
+    __slots__ = ("_counted", "_reader")
+
+    def __init__(self, reader: Any, counted: _Bytes) -> None:
+        self._reader = reader
+        self._counted = counted
+
+    async def read(self, n: int = -1) -> bytes:
+        data = await self._reader.read(n)
+        self._counted.down += len(data)
+        return data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reader, name)
+
+
+class _CountingWriter:
+    """An upstream StreamWriter that counts what is written to it; it keeps no data."""
+
+    __slots__ = ("_counted", "_writer")
+
+    def __init__(self, writer: Any, counted: _Bytes) -> None:
+        self._writer = writer
+        self._counted = counted
+
+    def write(self, data: bytes) -> None:
+        self._counted.up += len(data)
+        self._writer.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._writer, name)
+
+
+@dataclass(slots=True)
+class _Dial:
+    """What `server_connect` allowed one server connection to dial: checked addresses only."""
+
+    name: str  # the host as requested, for messages
+    addresses: tuple[str, ...]  # checked, in answer order
+    port: int
+    timeout: float
+    counted: _Bytes
+    metrics: Metrics | None
+
+
+class UpstreamError(OSError):
+    """A failed upstream connect. mitmproxy stores str(exc) as the server connection's error
+    and, for plain HTTP, hands it to `make_error_response`: the reason travels in the text."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"egress-proxy: {reason}: {message}")
+        self.reason = reason
+
+
+_ERROR_TEXT = re.compile(r"egress-proxy: (upstream_refused|upstream_timeout|not_vetted): .*")
+
+
+async def _open_connection(host: str, port: int, **kwargs: Any) -> tuple[Any, Any]:
+    """mitmproxy's server.py dials through this (see _AsyncioShim): the connection goes to the
+    checked addresses that `server_connect` registered for this very task (the hook runs in the
+    task that then dials), in answer order, each with limits.connect_timeout, falling back to
+    the next on failure. Never a fresh resolution; nothing unregistered is dialled."""
+    engine = _running
+    task = asyncio.current_task()
+    dial = None
+    if engine is not None and task is not None:
+        dial = engine.addon._dials.pop(task, None)
+    if dial is None or host != dial.addresses[0] or port != dial.port:
+        raise UpstreamError(NOT_VETTED, "server connection not vetted by policy")
+    failures: list[tuple[str, str]] = []
+    for address in dial.addresses:
+        started = time.monotonic()
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(address, port, **kwargs), dial.timeout
+            )
+        except TimeoutError:  # before OSError: TimeoutError is one
+            outcome = UPSTREAM_TIMEOUT
+        except OSError:
+            outcome = UPSTREAM_REFUSED
+        else:
+            if dial.metrics is not None:
+                dial.metrics.upstream_connect(time.monotonic() - started, "ok")
+            return _CountingReader(reader, dial.counted), _CountingWriter(writer, dial.counted)
+        if dial.metrics is not None:
+            dial.metrics.upstream_connect(time.monotonic() - started, outcome)
+        failures.append((address, outcome))
+    timed_out = all(outcome == UPSTREAM_TIMEOUT for _, outcome in failures)
+    tried = ", ".join(
+        f"{address} {'timed out' if outcome == UPSTREAM_TIMEOUT else 'refused'}"
+        for address, outcome in failures
+    )
+    raise UpstreamError(
+        UPSTREAM_TIMEOUT if timed_out else UPSTREAM_REFUSED,
+        f"{_shown(_authority(dial.name, port))} ({tried})",
+    )
+
+
+class _AsyncioShim:
+    """Stands in for the `asyncio` module inside mitmproxy.proxy.server only, while an engine
+    runs: its `open_connection` is ours, everything else is asyncio's."""
+
+    open_connection = staticmethod(_open_connection)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(asyncio, name)
+
+
+_original_make_error_response = mitm_http1_layer.make_error_response
+
+
+def _make_error_response(status_code: int, message: str = "") -> bytes:
+    """mitmproxy's error page for a plain-HTTP request, except for our upstream errors: 502
+    (refused) or 504 (timeout) with X-Egress-Error and a one-line body (DESIGN 3.6)."""
+    match = _ERROR_TEXT.search(message or "")
+    if match is None:
+        return _original_make_error_response(status_code, message)
+    reason = match.group(1)
+    error = reason != NOT_VETTED
+    status = 504 if reason == UPSTREAM_TIMEOUT else 502 if error else 403
+    response = http.Response.make(
+        status,
+        (_shown(match.group(0)) + "\n").encode("ascii", "replace"),
+        {
+            ERROR_HEADER if error else DENIED_HEADER: reason,
+            "Content-Type": "text/plain; charset=us-ascii",
+            "Connection": "close",
+        },
+    )
+    return mitm_http1.assemble_response(response)
+
+
 class EgressAddon:
     """The mitmproxy addon that enforces one policy. See the module docstring."""
 
@@ -169,11 +338,18 @@ class EgressAddon:
         resolver: Resolver,
         metrics: Metrics | None = None,
         audit: AuditLog | None = None,
+        *,
+        connect_timeout: float = 10.0,
+        max_connections: int | None = None,
     ) -> None:
         self.policy = policy
         self.resolver = resolver
         self.metrics = metrics
         self.audit = audit
+        self.connect_timeout = connect_timeout
+        self.max_connections = max_connections
+        self._dials: dict[asyncio.Task[Any], _Dial] = {}  # keyed by the dialling task
+        self._rejected: set[str] = set()  # client ids refused for overload
         self._clients: dict[str, _ClientState] = {}
         self._tunnels: dict[str, _Tunnel] = {}  # keyed by the tunnel's Server.id
         self._names: dict[str, tuple[str, int]] = {}  # Server.id -> address before pinning
@@ -271,6 +447,7 @@ class EgressAddon:
             raise Refused(403, checked.reason or d.NO_ADDRESSES, checked.message)
         state = self._state(client)
         state.vetted[(dial_host, port)] = checked.pinned
+        state.targets[(dial_host, port)] = target
         state.last_host, state.last_port, state.pinned = host, port, checked.pinned
         state.protocol = protocol
         return decision, checked.pinned
@@ -279,21 +456,46 @@ class EgressAddon:
 
     def client_connected(self, client: Client) -> None:
         try:
+            if self.max_connections is not None and len(self._clients) >= self.max_connections:
+                self._reject_overload(client)
+                return
             self._state(client)
             if self.metrics is not None:
                 self.metrics.connection_opened("l7", "http")
         except Exception:
             logger.exception("egress: client_connected failed")
+            client.error = "egress-proxy: internal error"
+
+    def _reject_overload(self, client: Client) -> None:
+        """More than limits.max_connections live client connections: answer 503 at once,
+        before reading anything, and close (mitmproxy closes a client whose `error` is set
+        in client_connected). A client that already sent its request may see the close as a
+        reset before it reads the 503."""
+        self._rejected.add(client.id)
+        client.error = "egress-proxy: overload"
+        refused = Refused(503, OVERLOAD, "too many connections", error=True)
+        self._refusal(refused, client, None, None, "http", stage="accept")
+        server = _running.master.addons.get("proxyserver") if _running and _running.master else None
+        handler = server.connections.get(client.id) if server is not None else None
+        io = handler.transports.get(client) if handler is not None else None
+        if io is not None and io.writer is not None:
+            response = _deny_response(503, "proxy", None, OVERLOAD, error=True)
+            response.headers["Connection"] = "close"
+            io.writer.write(mitm_http1.assemble_response(response))
 
     def client_disconnected(self, client: Client) -> None:
         try:
+            if client.id in self._rejected:
+                self._rejected.discard(client.id)
+                return
             state = self._clients.pop(client.id, None)
             for server_id in state.tunnels if state is not None else ():
                 self._tunnels.pop(server_id, None)
                 self._names.pop(server_id, None)
             duration = time.monotonic() - state.opened if state is not None else 0.0
+            counted = state.counted if state is not None else _Bytes()
             if self.metrics is not None:
-                self.metrics.connection_closed("l7", 0, 0, duration)
+                self.metrics.connection_closed("l7", counted.up, counted.down, duration)
             if self.audit is not None and state is not None:
                 self.audit.closed(
                     CloseEvent(
@@ -305,8 +507,10 @@ class EgressAddon:
                         connection=client.id,
                         sni=state.sni,
                         upstream=state.upstream,
+                        bytes_up=counted.up,
+                        bytes_down=counted.down,
                         duration=duration,
-                        reason="closed",
+                        reason=state.close_reason,
                         pinned=state.pinned,
                     )
                 )
@@ -517,9 +721,19 @@ class EgressAddon:
                 )
                 return
             self._names[data.server.id] = (address[0], address[1])
+            # The dial itself (fallback, timeout, byte counts) is _open_connection's; without a
+            # registration for its task it refuses (fail closed).
+            task = _current_task()
+            if task is not None:
+                self._dials[task] = _Dial(
+                    address[0],
+                    tuple(pins),
+                    address[1],
+                    self.connect_timeout,
+                    state.counted if state is not None else _Bytes(),
+                    self.metrics,
+                )
             data.server.address = (pins[0], address[1])
-            if state is not None:
-                state.upstream = _authority(pins[0], address[1])
         except Exception:
             logger.exception("egress: server_connect failed")
             data.server.error = "egress-proxy: internal error"
@@ -529,6 +743,10 @@ class EgressAddon:
         # request to the same host:port; the socket stays connected to the pinned address.
         try:
             name = self._names.pop(data.server.id, None)
+            state = self._clients.get(data.client.id)
+            peer = data.server.peername
+            if state is not None and peer:
+                state.upstream = _authority(peer[0], peer[1])  # the address actually used
             if name is not None:
                 # Server.__setattr__ refuses to change `address` on an open connection
                 # (mitmproxy/connection.py, Server.__setattr__); the socket is already
@@ -538,8 +756,27 @@ class EgressAddon:
             logger.exception("egress: server_connected failed")
 
     def server_connect_error(self, data: ServerConnectionHookData) -> None:
-        with contextlib.suppress(Exception):
-            self._names.pop(data.server.id, None)
+        try:
+            task = _current_task()
+            if task is not None:
+                self._dials.pop(task, None)
+            name = self._names.pop(data.server.id, None)
+            match = _ERROR_TEXT.search(str(data.server.error or ""))
+            if match is not None and match.group(1) != NOT_VETTED:
+                reason = match.group(1)
+                status = 504 if reason == UPSTREAM_TIMEOUT else 502
+                host, port = name if name is not None else (None, None)
+                state = self._clients.get(data.client.id)
+                self._refusal(
+                    Refused(status, reason, match.group(0), error=True),
+                    data.client,
+                    host,
+                    port,
+                    state.protocol if state is not None else "http",
+                    stage="upstream",
+                )
+        except Exception:
+            logger.exception("egress: server_connect_error failed")
 
     def server_disconnected(self, data: ServerConnectionHookData) -> None:
         with contextlib.suppress(Exception):
@@ -562,6 +799,13 @@ class _GuardedNextLayer(mitm_next_layer.NextLayer):
         super().next_layer(nextlayer)
 
 
+def _current_task() -> asyncio.Task[Any] | None:
+    try:
+        return asyncio.current_task()
+    except RuntimeError:  # no running loop (hooks called directly, in unit tests)
+        return None
+
+
 def _canonical(host: str) -> str:
     """The policy's spelling of a host for comparisons (SNI, Host header); garbage stays as is
     and so compares unequal."""
@@ -572,6 +816,15 @@ def _canonical(host: str) -> str:
         return normalize_host(text)
     except Exception:
         return "\0" + host
+
+
+def _still_allowed(policy: Policy, target: str, pinned: Sequence[str]) -> bool:
+    decision = policy.decide(target)
+    if not decision.allowed or decision.needs_inspection:
+        return False
+    if not pinned:
+        return False
+    return bool(policy.check_addresses(decision.host, pinned).allowed)
 
 
 class Engine:
@@ -588,7 +841,14 @@ class Engine:
     ) -> None:
         self.config = config
         self.session_id = session_id
-        self.addon = EgressAddon(policy, resolver, metrics, audit)
+        self.addon = EgressAddon(
+            policy,
+            resolver,
+            metrics,
+            audit,
+            connect_timeout=config.limits.connect_timeout,
+            max_connections=config.limits.max_connections,
+        )
         self.master: Master | None = None
         self.address: tuple[str, int] | None = None
 
@@ -596,9 +856,33 @@ class Engine:
     def policy(self) -> Policy:
         return self.addon.policy
 
-    def set_policy(self, policy: Policy) -> None:
-        """Every decision from now on uses `policy` (a reload). Live tunnels are not closed."""
+    def set_policy(self, policy: Policy) -> list[str]:
+        """Every decision from now on uses `policy` (a reload), and every live client connection
+        (CONNECT tunnel or keep-alive plain HTTP) with a destination the new policy denies is
+        closed: each host:port it was allowed to reach is decided again (name stage on what was
+        decided before, address stage on its checked addresses). Returns the ids closed."""
         self.addon.policy = policy
+        closed: list[str] = []
+        master = self.master
+        server = master.addons.get("proxyserver") if master is not None else None
+        for client_id, state in list(self.addon._clients.items()):
+            try:
+                denied = any(
+                    not _still_allowed(policy, target, state.vetted.get(key, ()))
+                    for key, target in state.targets.items()
+                )
+            except Exception:
+                logger.exception("egress: re-deciding a live connection failed")
+                denied = True  # fail closed
+            if not denied:
+                continue
+            state.close_reason = POLICY_RELOAD
+            closed.append(client_id)
+            handler = server.connections.get(client_id) if server is not None else None
+            for io in list(handler.transports.values()) if handler is not None else ():
+                if io.handler is not None:
+                    io.handler.cancel("egress-proxy: denied by the reloaded policy")
+        return closed
 
     async def start(
         self, listen_host: str = "127.0.0.1", listen_port: int = 3128
@@ -608,6 +892,9 @@ class Engine:
         if _running is not None:
             raise ProxyError("engine_running", "an engine already runs in this process")
         _running = self
+        # Upstream dials go through _open_connection; our upstream errors get our responses.
+        mitm_server.asyncio = _AsyncioShim()  # type: ignore[attr-defined]
+        mitm_http1_layer.make_error_response = _make_error_response
         try:
             opts = options.Options()
             master = Master(opts)
@@ -673,4 +960,7 @@ class Engine:
         finally:
             if _running is self:
                 _running = None
+                mitm_server.asyncio = asyncio  # type: ignore[attr-defined]
+                mitm_http1_layer.make_error_response = _original_make_error_response
+                self.addon._dials.clear()
             self.address = None

@@ -14,9 +14,10 @@ Signals (handled on the event loop):
 - SIGHUP: re-reads the ceiling and the operator config files and recompiles the policy (the
   manifest is immutable for an agent version: its bytes are the ones read at start-up). Only a
   policy that compiled replaces the running one; any failure keeps the old policy, says why on
-  stderr and counts a failed reload. Live tunnels are not closed by a reload (not done yet): the
-  new policy applies to every later decision. `limits` apply from start-up only; a changed DNS
-  configuration takes effect with a new resolver.
+  stderr and counts a failed reload. The new policy applies to every later decision, and live
+  client connections (CONNECT tunnels, keep-alive plain HTTP) with a destination it denies are
+  closed (`Engine.set_policy`; their close lines say `policy_reload`). `limits` apply from
+  start-up only; a changed DNS configuration takes effect with a new resolver.
 """
 
 from __future__ import annotations
@@ -265,11 +266,14 @@ class Runtime:
                     self.say(f"reload failed, keeping the previous policy: {exc}")
                     return False
                 self.engine.addon.resolver = resolver
-            self.engine.set_policy(compiled.policy)
+            closed = self.engine.set_policy(compiled.policy)
             self.compiled = compiled
             self.metrics.reload(ok=True)
             self.warn_findings(compiled.policy)
-            self.say(f"reloaded: {len(compiled.policy.rules_json())} rule(s) in force")
+            self.say(
+                f"reloaded: {len(compiled.policy.rules_json())} rule(s) in force, "
+                f"{len(closed)} live connection(s) closed"
+            )
             return True
 
 

@@ -103,11 +103,12 @@ def dns() -> Iterator[DNSServer]:
         yield server
 
 
-@pytest_asyncio.fixture
-async def proxy(dns: DNSServer) -> AsyncIterator[Running]:
+@contextlib.asynccontextmanager
+async def started(dns: DNSServer, extra: str = "") -> AsyncIterator[Running]:
+    """An engine on a random loopback port; `extra` is more operator config (YAML)."""
     config = load_config(
         f"dns:\n  nameservers: ['127.0.0.1:{dns.address[1]}']\n  timeout: 1s\n"
-        "addresses:\n  allow: [127.0.0.0/8]\n"
+        "addresses:\n  allow: [127.0.0.0/8]\n" + extra
     )
     policy = compile_policy(load_manifest(MANIFEST), None, config.operator)
     metrics = Metrics()
@@ -120,6 +121,12 @@ async def proxy(dns: DNSServer) -> AsyncIterator[Running]:
         yield Running(engine, port, dns, stream, metrics)
     finally:
         await engine.stop()
+
+
+@pytest_asyncio.fixture
+async def proxy(dns: DNSServer) -> AsyncIterator[Running]:
+    async with started(dns) as running:
+        yield running
 
 
 async def curl(proxy: Running, url: str, *args: str) -> tuple[int, dict[str, str], bytes]:
@@ -528,3 +535,279 @@ async def test_denied_request_with_a_large_body(proxy: Running, tmp_path) -> Non
     denials = [x for x in proxy.lines() if x.get("decision") == "deny"]
     assert [x["reason"] for x in denials] == ["not_allowed", "not_allowed"]
     assert proxy.dns.queries == []
+
+
+# -- upstream errors, fallback, pinning ------------------------------------------------------
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def blackholed() -> Iterator[int]:
+    """A loopback port whose connects hang: a listener with a full accept queue (Linux drops
+    the SYNs of a listener whose backlog is full; nothing leaves loopback)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    filler = socket.socket()
+    filler.connect(("127.0.0.1", port))  # fills the queue (never accepted)
+    try:
+        yield port
+    finally:
+        filler.close()
+        listener.close()
+
+
+def closes(proxy: Running) -> list[dict]:
+    return [x for x in proxy.lines() if x["event"] == "close"]
+
+
+@pytest.mark.asyncio
+async def test_upstream_refused_is_502(proxy: Running) -> None:
+    port = free_port()
+    proxy.dns.set("up.test", a=["127.0.0.1"])
+    status, headers, body = await curl(proxy, f"http://up.test:{port}/")
+    assert status == 502
+    assert headers[ERROR_HEADER.lower()] == "upstream_refused"
+    assert body.count(b"\n") == 1 and b"upstream_refused" in body and b"up.test" in body
+    error = next(x for x in proxy.lines() if x.get("stage") == "upstream")
+    assert (error["reason"], error["host"], error["port"]) == ("upstream_refused", "up.test", port)
+    text = proxy.metrics.render()[0].decode()
+    assert 'egress_upstream_connect_seconds_count{outcome="upstream_refused"} 1.0' in text
+
+
+@pytest.mark.asyncio
+async def test_upstream_refused_closes_the_tunnel(proxy: Running) -> None:
+    # CONNECT is lazy: the 200 comes before any upstream connect (which waits for the SNI
+    # gate), so a refused upstream closes the tunnel; the client sees the close.
+    port = free_port()
+    proxy.dns.set("tls.test", a=["127.0.0.1"])
+    status, _, reader, writer = await connect(proxy, f"tls.test:{port}")
+    assert status == 200
+    writer.write(client_hello("tls.test"))
+    await writer.drain()
+    assert await closed_by_peer(reader)
+    writer.close()
+    error = next(x for x in proxy.lines() if x.get("stage") == "upstream")
+    assert error["reason"] == "upstream_refused"
+
+
+@pytest.mark.asyncio
+async def test_upstream_connect_timeout_is_504(dns: DNSServer) -> None:
+    async with started(dns, "limits:\n  connect_timeout: 1s\n") as proxy:
+        with blackholed() as port:
+            proxy.dns.set("up.test", a=["127.0.0.1"])
+            started_at = asyncio.get_running_loop().time()
+            status, headers, body = await curl(proxy, f"http://up.test:{port}/")
+            elapsed = asyncio.get_running_loop().time() - started_at
+        assert status == 504, body
+        assert headers[ERROR_HEADER.lower()] == "upstream_timeout"
+        assert 0.9 <= elapsed < 4
+        error = next(x for x in proxy.lines() if x.get("stage") == "upstream")
+        assert error["reason"] == "upstream_timeout"
+
+
+@pytest.mark.asyncio
+async def test_fallback_to_the_next_checked_address(proxy: Running) -> None:
+    proxy.dns.set("up.test", a=["127.0.0.9", "127.0.0.1"])
+    # The order of the answer is the DNS server's; learn it through the engine's own resolver
+    # (its cache is the answer the engine will check and use), then listen on the second.
+    answer = await proxy.engine.addon.resolver.resolve("up.test")
+    first, second = answer.addresses
+    upstream = Upstream()
+    server = await asyncio.start_server(upstream.handle, second, 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        status, _, body = await curl(proxy, f"http://up.test:{port}/")  # first refuses
+        assert status == 200 and body == b"hello from upstream\n"
+        assert upstream.connections == 1
+    finally:
+        server.close()
+    assert proxy.dns.count("up.test", "A") == 1  # no fresh resolution for the fallback
+    address = next(x for x in proxy.lines() if x.get("stage") == "address")
+    assert address["pinned"] == [first, second]
+    (close,) = closes(proxy)
+    assert close["upstream"] == f"{second}:{port}"
+    assert not any(x.get("stage") == "upstream" for x in proxy.lines())  # no error: it worked
+    text = proxy.metrics.render()[0].decode()
+    assert 'egress_upstream_connect_seconds_count{outcome="upstream_refused"} 1.0' in text
+    assert 'egress_upstream_connect_seconds_count{outcome="ok"} 1.0' in text
+
+
+@pytest.mark.asyncio
+async def test_changed_answer_within_ttl_still_goes_to_the_checked_address(
+    proxy: Running,
+) -> None:
+    first = Upstream()
+    async with serving(first):
+        second = Upstream()
+        server = await asyncio.start_server(second.handle, "127.0.0.2", first.port)
+        try:
+            proxy.dns.set("up.test", a=["127.0.0.1"], ttl=300)
+            url = f"http://up.test:{first.port}/"
+            assert (await curl(proxy, url))[0] == 200
+            # The DNS server now answers the other address; within the TTL the checked answer
+            # is used (a new client connection, a new decision), and nothing reaches the second.
+            proxy.dns.set("up.test", a=["127.0.0.2"], ttl=300)
+            assert (await curl(proxy, url))[0] == 200
+            assert first.connections == 2 and len(first.requests) == 2
+            assert second.connections == 0
+            assert proxy.dns.count("up.test", "A") == 1
+            assert [x["upstream"] for x in closes(proxy)] == [f"127.0.0.1:{first.port}"] * 2
+            assert all(
+                x["pinned"] == ["127.0.0.1"] for x in proxy.lines() if x.get("stage") == "address"
+            )
+        finally:
+            server.close()
+
+
+# -- reload, byte counts, overload -----------------------------------------------------------
+
+
+async def open_tunnel(
+    proxy: Running, host: str, upstream: Upstream
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """An allowed tunnel through the SNI gate, its ClientHello arrived upstream."""
+    status, _, reader, writer = await connect(proxy, f"{host}:{upstream.port}")
+    assert status == 200
+    writer.write(client_hello(host))
+    await writer.drain()
+    await asyncio.wait_for(upstream.got_data.wait(), 5)
+    return reader, writer
+
+
+@pytest.mark.asyncio
+async def test_reload_closes_live_connections_the_new_policy_denies(proxy: Running) -> None:
+    async with (
+        serving(Upstream(raw=True)) as narrowed,
+        serving(Upstream(raw=True)) as kept,
+        serving(Upstream()) as web,
+    ):
+        proxy.dns.set("tls.test", a=["127.0.0.1"])
+        proxy.dns.set("up.test", a=["127.0.0.1"])
+        proxy.dns.set("slow.test", a=["127.0.0.1"])
+        denied_reader, denied_writer = await open_tunnel(proxy, "tls.test", narrowed)
+        kept_reader, kept_writer = await open_tunnel(proxy, "up.test", kept)
+        # A keep-alive plain-HTTP client connection to a host the new policy denies.
+        http_reader, http_writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        authority = f"slow.test:{web.port}"
+        http_writer.write(f"GET http://{authority}/ HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
+        await http_writer.drain()
+        head = await asyncio.wait_for(http_reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 200")
+        await asyncio.wait_for(http_reader.readexactly(len(b"hello from upstream\n")), 5)
+
+        operator = proxy.engine.policy.operator
+        narrower = compile_policy(load_manifest("network:\n  egress: [up.test]\n"), None, operator)
+        closed = proxy.engine.set_policy(narrower)
+        assert len(closed) == 2
+        assert await closed_by_peer(denied_reader)
+        assert await closed_by_peer(http_reader)
+        # The allowed tunnel stays open and keeps carrying bytes.
+        before = len(kept.received)
+        kept_writer.write(b"still here")
+        await kept_writer.drain()
+        for _ in range(100):
+            if len(kept.received) >= before + 10:
+                break
+            await asyncio.sleep(0.02)
+        assert bytes(kept.received[before:]) == b"still here"
+        with pytest.raises(TimeoutError):  # not closed: nothing to read, no EOF
+            await asyncio.wait_for(kept_reader.read(1), 0.2)
+        for writer in (denied_writer, kept_writer, http_writer):
+            writer.close()
+        for _ in range(100):
+            if len(closes(proxy)) == 3:
+                break
+            await asyncio.sleep(0.02)
+    reasons = sorted((x["host"], x["reason"]) for x in closes(proxy))
+    assert reasons == [
+        ("slow.test", "policy_reload"),
+        ("tls.test", "policy_reload"),
+        ("up.test", "closed"),
+    ]
+
+
+@pytest.mark.asyncio
+async def test_close_events_count_bytes_of_plain_http(proxy: Running) -> None:
+    async with serving(Upstream()) as upstream:
+        proxy.dns.set("up.test", a=["127.0.0.1"])
+        url = f"http://up.test:{upstream.port}/"
+        status, _, _ = await curl(proxy, url + "a", url + "b")
+        assert status == 200
+    for _ in range(100):
+        if closes(proxy):
+            break
+        await asyncio.sleep(0.02)
+    (close,) = closes(proxy)
+    body = b"hello from upstream\n"
+    response = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    assert close["bytes_down"] == 2 * len(response)
+    assert close["bytes_up"] > 2 * len(b"GET /a HTTP/1.1\r\n\r\n")
+    text = proxy.metrics.render()[0].decode()
+    down = rf'egress_bytes_total\{{[^}}]*"down"[^}}]*\}} {2 * len(response)}\.0'
+    assert re.search(down, text), text
+
+
+@pytest.mark.asyncio
+async def test_close_events_count_bytes_of_tunnels(proxy: Running) -> None:
+    answer = b"server says hello" * 100
+
+    async def echo_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(65536)
+        writer.write(answer)
+        await writer.drain()
+        with contextlib.suppress(ConnectionError):
+            while await reader.read(65536):
+                pass
+        writer.close()
+
+    server = await asyncio.start_server(echo_once, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        proxy.dns.set("tls.test", a=["127.0.0.1"])
+        status, _, reader, writer = await connect(proxy, f"tls.test:{port}")
+        assert status == 200
+        hello = client_hello("tls.test")
+        writer.write(hello)
+        await writer.drain()
+        assert await asyncio.wait_for(reader.readexactly(len(answer)), 5) == answer
+        writer.close()
+        for _ in range(100):
+            if closes(proxy):
+                break
+            await asyncio.sleep(0.02)
+    finally:
+        server.close()
+    (close,) = closes(proxy)
+    assert (close["bytes_up"], close["bytes_down"]) == (len(hello), len(answer))
+    assert close["upstream"] == f"127.0.0.1:{port}"
+
+
+@pytest.mark.asyncio
+async def test_overload_answers_503_to_the_excess(dns: DNSServer) -> None:
+    async with started(dns, "limits:\n  max_connections: 2\n") as proxy:
+        held = [await asyncio.open_connection("127.0.0.1", proxy.port) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        data = await asyncio.wait_for(reader.read(), 5)  # the 503, then the close
+        writer.close()
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503")
+        assert f"{ERROR_HEADER}: overload".lower().encode() in head.lower()
+        assert b"overload" in body
+        overload = next(x for x in proxy.lines() if x.get("reason") == "overload")
+        assert overload["stage"] == "accept"
+        # Below the limit again, requests are served.
+        held[0][1].close()
+        await asyncio.sleep(0.1)
+        async with serving(Upstream()) as upstream:
+            proxy.dns.set("up.test", a=["127.0.0.1"])
+            assert (await curl(proxy, f"http://up.test:{upstream.port}/"))[0] == 200
+        held[1][1].close()

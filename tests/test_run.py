@@ -182,10 +182,31 @@ def test_run_serves_reloads_and_drains(tmp_path: Path, dns: DNSServer, upstream:
         metrics = get(f"http://127.0.0.1:{admin}/metrics")[1]
         assert re.search(r'egress_reloads_total\{result="failure"\} 1\.0', metrics), metrics
 
-        # A narrowed ceiling on SIGHUP: the next request to up.test is denied.
+        # A narrowed ceiling on SIGHUP: the next request to up.test is denied, and a live
+        # keep-alive connection to up.test is closed, while one to other.test stays open.
+        def keep_alive(host: str) -> socket.socket:
+            conn = socket.create_connection(("127.0.0.1", port), timeout=3)
+            conn.sendall(b"GET http://%s:%d/ HTTP/1.1\r\nHost: %s:%d\r\n\r\n"
+                         % (host.encode(), upstream, host.encode(), upstream))  # fmt: skip
+            got = b""
+            while not got.endswith(b"hello from upstream\n"):
+                chunk = conn.recv(4096)
+                assert chunk, got
+                got += chunk
+            assert b"200 OK" in got
+            return conn
+
+        narrowed_conn, kept_conn = keep_alive("up.test"), keep_alive("other.test")
         files["ceiling"].write_text(NARROWED)
         process.send_signal(signal.SIGHUP)
         wait_for(lambda: "reloaded" in files["stderr"].read_text())
+        assert "1 live connection(s) closed" in files["stderr"].read_text()
+        with narrowed_conn, kept_conn:
+            assert narrowed_conn.recv(4096) == b""
+            kept_conn.sendall(b"GET http://other.test:%d/again HTTP/1.1\r\nHost: other.test:%d"
+                              b"\r\n\r\n" % (upstream, upstream))  # fmt: skip
+            assert b"200 OK" in kept_conn.recv(4096)
+        wait_for(lambda: "policy_reload" in files["audit"].read_text())
         status, headers, _ = curl(port, f"http://up.test:{upstream}/z")
         assert status == 403 and "x-egress-denied" in headers
         assert curl(port, f"http://other.test:{upstream}/")[0] == 200
