@@ -167,17 +167,7 @@ class DecisionEvent:
         return cls(**fields)
 
     def to_json(self, *, session: str | None, now: float) -> dict[str, Any]:
-        record = _Record()
-        record.data["time"] = _timestamp(now)
-        record.data["event"] = "decision"
-        record.text("session", session)
-        record.text("connection", self.connection)
-        record.text("client", _client(self.client))
-        record.text("plane", self.plane)
-        record.text("protocol", self.protocol)
-        record.text("host", self.host)
-        record.integer("port", self.port)
-        record.text("sni", self.sni)
+        record = _head("decision", self, session=session, now=now)
         record.text("method", self.method, MAX_METHOD)
         record.text("path", self.path, MAX_PATH)
         record.text("decision", self.decision)
@@ -189,6 +179,24 @@ class DecisionEvent:
         record.addresses("pinned", self.pinned)
         record.text("message", self.message)
         return record.finish()
+
+
+def _head(
+    event: str, source: DecisionEvent | CloseEvent, *, session: str | None, now: float
+) -> _Record:
+    """The fields every audit line starts with, in the same order for both kinds."""
+    record = _Record()
+    record.data["time"] = _timestamp(now)
+    record.data["event"] = event
+    record.text("session", session)
+    record.text("connection", source.connection)
+    record.text("client", _client(source.client))
+    record.text("plane", source.plane)
+    record.text("protocol", source.protocol)
+    record.text("host", source.host)
+    record.integer("port", source.port)
+    record.text("sni", source.sni)
+    return record
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,17 +218,7 @@ class CloseEvent:
     pinned: tuple[str, ...] | None = None
 
     def to_json(self, *, session: str | None, now: float) -> dict[str, Any]:
-        record = _Record()
-        record.data["time"] = _timestamp(now)
-        record.data["event"] = "close"
-        record.text("session", session)
-        record.text("connection", self.connection)
-        record.text("client", _client(self.client))
-        record.text("plane", self.plane)
-        record.text("protocol", self.protocol)
-        record.text("host", self.host)
-        record.integer("port", self.port)
-        record.text("sni", self.sni)
+        record = _head("close", self, session=session, now=now)
         record.text("upstream", self.upstream, MAX_ADDRESS)
         record.addresses("pinned", self.pinned)
         record.integer("bytes_up", self.bytes_up)
