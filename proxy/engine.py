@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import re
 import time
@@ -809,11 +808,12 @@ def _current_task() -> asyncio.Task[Any] | None:
 def _canonical(host: str) -> str:
     """The policy's spelling of a host for comparisons (SNI, Host header); garbage stays as is
     and so compares unequal."""
-    text = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    with contextlib.suppress(ValueError):
-        return str(ipaddress.ip_address(text))
+    # The same two steps Policy.decide takes, so a host compares equal to its decided spelling.
+    literal = parse_ip_literal(host)
+    if literal is not None:
+        return str(literal)
     try:
-        return normalize_host(text)
+        return normalize_host(host)
     except Exception:
         return "\0" + host
 
