@@ -696,6 +696,13 @@ class EgressAddon:
         server = nextlayer.context.server
         return server is not None and server.id in self._tunnels
 
+    def websocket_message(self, flow: http.HTTPFlow) -> None:
+        # mitmproxy appends every WebSocket message to the flow; the relay has already taken
+        # its own reference, so dropping the list keeps a long-lived socket's memory flat.
+        with contextlib.suppress(Exception):
+            if flow.websocket is not None:
+                flow.websocket.messages.clear()
+
     def server_connect(self, data: ServerConnectionHookData) -> None:
         """Pin: dial a checked address; refuse anything our hooks did not vet."""
         try:
