@@ -87,7 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--config", metavar="FILE", help="operator config (YAML or JSON; re-read on SIGHUP)"
     )
     run.add_argument(
-        "--listen", metavar="HOST:PORT", default="127.0.0.1:3128", help="proxy listener"
+        "--listen",
+        metavar="[SCHEME://]HOST:PORT",
+        action="append",
+        help="proxy listener; repeat for several; SCHEME http (default) or socks5 "
+        "(default: 127.0.0.1:3128)",
     )
     run.add_argument(
         "--admin", metavar="HOST:PORT", default="127.0.0.1:9901", help="/healthz /readyz /metrics"
@@ -334,8 +338,10 @@ def cmd_run(args: argparse.Namespace, out: TextIO) -> int:
     # Imported here: check, explain and classify never load mitmproxy.
     from proxy import runtime
     from proxy.admin import parse_listen
+    from proxy.listen import check_listeners, parse_listener
 
-    listen = parse_listen(args.listen)
+    listen = [parse_listener(text) for text in args.listen or ["127.0.0.1:3128"]]
+    check_listeners(listen)
     admin = parse_listen(args.admin)
     # Everything is read and compiled before anything listens: a problem exits here.
     inputs = runtime.read_inputs(

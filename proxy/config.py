@@ -31,7 +31,7 @@ _SCHEMA: dict[str, tuple[str, ...] | None] = {
     "addresses": ("allow", "deny", "in_cluster"),
     "platform_destinations": None,
     "ports": None,
-    "inspection": ("enabled", "ca_dir"),
+    "inspection": ("enabled", "ca_dir", "upstream_ca"),
     "limits": ("connect_timeout", "idle_timeout", "header_timeout", "max_connections"),
     "internal_suffixes": None,
 }
@@ -57,6 +57,9 @@ class Config:
     nameservers: tuple[Nameserver, ...] | None = None  # None: the system's resolv.conf
     dns_timeout: float = 5.0
     ca_dir: str = DEFAULT_CA_DIR
+    # PEM bundle that upstream certificates of inspected hosts are verified against; None:
+    # certifi's Mozilla bundle (mitmproxy's default).
+    upstream_ca: str | None = None
     limits: Limits = field(default_factory=Limits)
     source: str | None = None
 
@@ -228,6 +231,9 @@ def load_config(data: bytes | str, *, source: str = "<config>") -> Config:
     ca_dir = r.convert(
         "inspection.ca_dir", inspection.get("ca_dir", DEFAULT_CA_DIR), _text, DEFAULT_CA_DIR
     )
+    upstream_ca = None
+    if inspection.get("upstream_ca") is not None:
+        upstream_ca = r.convert("inspection.upstream_ca", inspection["upstream_ca"], _text, None)
 
     lim = r.section(document, "limits")
     defaults = Limits()
@@ -276,7 +282,7 @@ def load_config(data: bytes | str, *, source: str = "<config>") -> Config:
         inspection_enabled=enabled,
         internal_suffixes=tuple(suffixes),
     )
-    return Config(operator, nameservers, dns_timeout, ca_dir, limits, source)
+    return Config(operator, nameservers, dns_timeout, ca_dir, upstream_ca, limits, source)
 
 
 def _cidrs(r: _Reader, value: Any, path: str) -> tuple[IPNetwork, ...]:

@@ -42,8 +42,10 @@ mitmproxy keeps process-global state (`mitmproxy.ctx.master`): one engine runs p
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
+import os
 import re
 import time
 from collections.abc import Sequence
@@ -52,12 +54,12 @@ from typing import TYPE_CHECKING, Any
 
 from mitmproxy import http, options
 from mitmproxy.addons import next_layer as mitm_next_layer
-from mitmproxy.addons import proxyserver
+from mitmproxy.addons import proxyserver, tlsconfig
 from mitmproxy.master import Master
 from mitmproxy.net.http import http1 as mitm_http1
 from mitmproxy.net.http import url as mitm_url
 from mitmproxy.net.tls import starts_like_tls_record
-from mitmproxy.proxy import commands, events, layer, layers
+from mitmproxy.proxy import commands, events, layer, layers, mode_servers
 from mitmproxy.proxy import server as mitm_server
 from mitmproxy.proxy.layers.http import _http1 as mitm_http1_layer
 from mitmproxy.proxy.layers.tls import parse_client_hello
@@ -65,11 +67,21 @@ from mitmproxy.proxy.layers.tls import parse_client_hello
 from policy import decisions as d
 from policy.hostnames import normalize_host, parse_ip_literal
 from proxy.audit import CloseEvent, DecisionEvent
+from proxy.ca import CertificateAuthority, check_upstream_ca, ensure_ca
 from proxy.errors import ProxyError
+from proxy.listen import Listener
+from proxy.socks import (
+    GENERAL_FAILURE,
+    HOST_UNREACHABLE,
+    NOT_ALLOWED,
+    EgressSocks5,
+    SocksRequest,
+)
 
 if TYPE_CHECKING:
     from mitmproxy.connection import Client
     from mitmproxy.proxy.server_hooks import ServerConnectionHookData
+    from mitmproxy.tls import TlsData
 
     from policy import AddressDecision, Decision, Policy
     from proxy.audit import AuditLog
@@ -90,6 +102,7 @@ INSPECTION_UNSUPPORTED = "inspection_unsupported"
 UNSUPPORTED_SCHEME = "unsupported_scheme"
 UPSTREAM_REFUSED = "upstream_refused"
 UPSTREAM_TIMEOUT = "upstream_timeout"
+UPSTREAM_TLS = "upstream_tls"  # an inspected upstream's certificate failed verification
 OVERLOAD = "overload"
 POLICY_RELOAD = "policy_reload"
 INTERNAL_ERROR = d.INTERNAL_ERROR
@@ -149,7 +162,10 @@ class _Tunnel:
 
     host: str  # normalised, as the policy decided it
     port: int
-    decided: bool = False
+    inspect: bool = False  # path rules: TLS is intercepted and every request decided
+    decided: bool = False  # the SNI gate has chosen the tunnel's layer
+    dial_first: bool = False  # SOCKS5: dialled before the reply, so before the SNI gate
+    protocol: str = "connect"  # or "socks5", for audit lines and metrics
 
 
 @dataclass(slots=True)
@@ -167,6 +183,7 @@ class _ClientState:
     # (host as mitmproxy will dial it, port) -> what the policy decided on (authority or URL),
     # so a reload can decide every live destination of this connection again.
     targets: dict[tuple[str, int], str] = field(default_factory=dict)
+    inspected: set[tuple[str, int]] = field(default_factory=set)  # keys of intercepted tunnels
     counted: _Bytes = field(default_factory=lambda: _Bytes())
     close_reason: str = "closed"
 
@@ -309,14 +326,18 @@ def _make_error_response(status_code: int, message: str = "") -> bytes:
     """mitmproxy's error page for a plain-HTTP request, except for our upstream errors: 502
     (refused) or 504 (timeout) with X-Egress-Error and a one-line body (DESIGN 3.6)."""
     match = _ERROR_TEXT.search(message or "")
-    if match is None:
+    engine = _running
+    if match is not None:
+        reason, text = match.group(1), match.group(0)
+    elif engine is not None and engine.addon.take_tls_failure(message):
+        reason, text = UPSTREAM_TLS, f"egress-proxy: {UPSTREAM_TLS}: {message}"
+    else:
         return _original_make_error_response(status_code, message)
-    reason = match.group(1)
     error = reason != NOT_VETTED
     status = 504 if reason == UPSTREAM_TIMEOUT else 502 if error else 403
     response = http.Response.make(
         status,
-        (_shown(match.group(0)) + "\n").encode("ascii", "replace"),
+        (_shown(text) + "\n").encode("ascii", "replace"),
         {
             ERROR_HEADER if error else DENIED_HEADER: reason,
             "Content-Type": "text/plain; charset=us-ascii",
@@ -347,11 +368,15 @@ class EgressAddon:
         self.audit = audit
         self.connect_timeout = connect_timeout
         self.max_connections = max_connections
+        self.can_inspect = False  # set by Engine.start when mitmproxy's TlsConfig is loaded
         self._dials: dict[asyncio.Task[Any], _Dial] = {}  # keyed by the dialling task
         self._rejected: set[str] = set()  # client ids refused for overload
         self._clients: dict[str, _ClientState] = {}
         self._tunnels: dict[str, _Tunnel] = {}  # keyed by the tunnel's Server.id
         self._names: dict[str, tuple[str, int]] = {}  # Server.id -> address before pinning
+        # Messages of failed upstream TLS handshakes not yet answered: mitmproxy hands only
+        # the message to make_error_response, so this is how its 502 learns the reason.
+        self._tls_failures: collections.deque[str] = collections.deque(maxlen=64)
 
     # -- bookkeeping -------------------------------------------------------------------------
 
@@ -416,9 +441,13 @@ class EgressAddon:
         self._record(decision, client, protocol, **ctx)
         if not decision.allowed:
             raise Refused(403, decision.reason, decision.message)
-        if decision.needs_inspection:
-            # Path rules need TLS interception (CONNECT) that this engine does not do yet.
-            refused = Refused(403, INSPECTION_UNSUPPORTED, "this host's rules need TLS inspection")
+        inspecting = protocol == "https" or (protocol in ("connect", "socks5") and self.can_inspect)
+        if decision.needs_inspection and not inspecting:
+            # Path rules need TLS interception, which this engine was started without (the
+            # policy itself refuses with inspection_disabled when the config turns it off).
+            refused = Refused(
+                403, INSPECTION_UNSUPPORTED, "this host's rules need TLS inspection, not loaded"
+            )
             self._refusal(refused, client, decision.host, port, protocol, stage="name", **ctx)
             raise refused
         host = decision.host
@@ -523,8 +552,13 @@ class EgressAddon:
             decision, _ = await self._vet(
                 _authority(host, port), host, port, client, "connect", method="CONNECT"
             )
-            self._tunnels[flow.server_conn.id] = _Tunnel(decision.host, port)
-            self._state(client).tunnels.append(flow.server_conn.id)
+            self._tunnels[flow.server_conn.id] = _Tunnel(
+                decision.host, port, inspect=decision.needs_inspection
+            )
+            state = self._state(client)
+            state.tunnels.append(flow.server_conn.id)
+            if decision.needs_inspection:
+                state.inspected.add((host, port))
         except Refused as refused:
             flow.response = _deny_response(
                 refused.status, host, port, refused.reason, error=refused.error
@@ -532,6 +566,35 @@ class EgressAddon:
         except Exception as exc:
             logger.exception("egress: http_connect failed")
             self._internal_error(flow, client, host, port, "connect", exc)
+
+    async def egress_socks_connect(self, request: SocksRequest) -> None:
+        """A SOCKS5 CONNECT request, before it is answered: decided like an HTTP CONNECT."""
+        context = request.context
+        client = context.client
+        host, port = context.server.address or ("", 0)
+        try:
+            decision, _ = await self._vet(_authority(host, port), host, port, client, "socks5")
+            self._tunnels[context.server.id] = _Tunnel(
+                decision.host,
+                port,
+                inspect=decision.needs_inspection,
+                dial_first=True,
+                protocol="socks5",
+            )
+            state = self._state(client)
+            state.tunnels.append(context.server.id)
+            if decision.needs_inspection:
+                state.inspected.add((host, port))
+        except Refused as refused:
+            request.reply = NOT_ALLOWED if refused.status == 403 else HOST_UNREACHABLE
+            request.message = f"egress-proxy: {refused.reason}: {refused.message}"
+        except Exception as exc:
+            logger.exception("egress: egress_socks_connect failed")
+            request.reply = GENERAL_FAILURE
+            request.message = "egress-proxy: internal error"
+            with contextlib.suppress(Exception):
+                refused = Refused(403, INTERNAL_ERROR, f"internal error: {type(exc).__name__}")
+                self._refusal(refused, client, host, port, "socks5")
 
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
         client = flow.client_conn
@@ -541,13 +604,20 @@ class EgressAddon:
             if request.method == "CONNECT":  # not called for CONNECT; be sure anyway
                 raise Refused(403, INTERNAL_ERROR, "unexpected CONNECT")
             ctx = {"method": request.method, "path": request.path}
-            if request.scheme != "http":
+            tunnel = self._tunnels.get(flow.server_conn.id)
+            if tunnel is not None:
+                # A request inside an intercepted tunnel: it may only go where the tunnel goes.
+                protocol = "https"
+                self._check_tunnel_request(request, tunnel, client, **ctx)
+            elif request.scheme != "http":
                 refused = Refused(403, UNSUPPORTED_SCHEME, f"scheme {request.scheme!r}")
                 self._refusal(refused, client, host, port, "http", stage="name", **ctx)
                 raise refused
-            self._check_host_header(request, client, **ctx)
-            url = f"http://{_authority(host, port)}{request.path}"
-            await self._vet(url, host, port, client, "http", **ctx)
+            else:
+                protocol = "http"
+            self._check_host_header(request, client, protocol, **ctx)
+            url = f"{protocol}://{_authority(host, port)}{request.path}"
+            await self._vet(url, host, port, client, protocol, **ctx)
         except Refused as refused:
             self._answer(
                 flow,
@@ -574,7 +644,28 @@ class EgressAddon:
         else:
             flow.response = response
 
-    def _check_host_header(self, request: http.Request, client: Client, **ctx: Any) -> None:
+    def _check_tunnel_request(
+        self, request: http.Request, tunnel: _Tunnel, client: Client, **ctx: Any
+    ) -> None:
+        if (
+            not tunnel.inspect
+            or request.scheme != "https"
+            or _canonical(request.host) != tunnel.host
+            or request.port != tunnel.port
+        ):
+            refused = Refused(
+                403,
+                HOST_MISMATCH,
+                f"request for {_shown(request.scheme)}://"
+                f"{_shown(_authority(request.host, request.port))} inside the tunnel to "
+                f"{_authority(tunnel.host, tunnel.port)}",
+            )
+            self._refusal(refused, client, request.host, request.port, "https", stage="host", **ctx)
+            raise refused
+
+    def _check_host_header(
+        self, request: http.Request, client: Client, protocol: str, **ctx: Any
+    ) -> None:
         header = request.headers.get_all("host")
         reason_message = None
         if len(header) != 1:
@@ -594,7 +685,9 @@ class EgressAddon:
                     )
         if reason_message is not None:
             refused = Refused(403, HOST_MISMATCH, reason_message)
-            self._refusal(refused, client, request.host, request.port, "http", stage="host", **ctx)
+            self._refusal(
+                refused, client, request.host, request.port, protocol, stage="host", **ctx
+            )
             raise refused
 
     def _internal_error(
@@ -622,8 +715,10 @@ class EgressAddon:
         equals the CONNECT host; then bytes pass through unmodified (no interception)."""
         context = nextlayer.context
         tunnel = self._tunnels.get(context.server.id) if context.server is not None else None
-        if tunnel is None or nextlayer.layer is not None:
-            return  # not a tunnel of ours: mitmproxy's NextLayer decides (see _GuardedNextLayer)
+        if tunnel is None or tunnel.decided or nextlayer.layer is not None:
+            # Not a tunnel of ours, or one past its gate (the HTTP inside an intercepted one):
+            # mitmproxy's NextLayer decides (see _GuardedNextLayer).
+            return
         try:
             data = nextlayer.data_client()
             if not data:
@@ -662,7 +757,7 @@ class EgressAddon:
                     context.client,
                     tunnel.host,
                     tunnel.port,
-                    "connect",
+                    tunnel.protocol,
                     stage="sni",
                     sni=sni,
                 )
@@ -678,13 +773,20 @@ class EgressAddon:
                     port=tunnel.port,
                     stage="sni",
                     plane="l7",
-                    protocol="connect",
+                    protocol=tunnel.protocol,
                     client=context.client.peername,
                     connection=context.client.id,
                     sni=sni,
                 )
             )
-            nextlayer.layer = layers.TCPLayer(context, ignore=True)
+            if tunnel.inspect:
+                # Intercept: our CA's certificate to the client, a verified TLS connection to
+                # the pinned upstream; the HTTP inside is decided per request.
+                server_tls = layers.ServerTLSLayer(context)
+                server_tls.child_layer = layers.ClientTLSLayer(context)
+                nextlayer.layer = server_tls
+            else:
+                nextlayer.layer = layers.TCPLayer(context, ignore=True)
         except Exception:
             logger.exception("egress: next_layer failed")
             with contextlib.suppress(Exception):
@@ -692,9 +794,11 @@ class EgressAddon:
                 nextlayer.layer = _CloseClient(context)
 
     def claims(self, nextlayer: layer.NextLayer) -> bool:
-        """True when the layer decision of this context is ours alone (an allowed tunnel)."""
+        """True when the layer decision of this context is ours alone (a tunnel before its SNI
+        gate has decided)."""
         server = nextlayer.context.server
-        return server is not None and server.id in self._tunnels
+        tunnel = self._tunnels.get(server.id) if server is not None else None
+        return tunnel is not None and not tunnel.decided
 
     def websocket_message(self, flow: http.HTTPFlow) -> None:
         # mitmproxy appends every WebSocket message to the flow; the relay has already taken
@@ -712,8 +816,8 @@ class EgressAddon:
             if address is not None and state is not None:
                 pins = state.vetted.get((address[0], address[1]))
             tunnel = self._tunnels.get(data.server.id)
-            if tunnel is not None and not tunnel.decided:
-                pins = None  # a tunnel connects only after the SNI gate let it through
+            if tunnel is not None and not tunnel.decided and not tunnel.dial_first:
+                pins = None  # a CONNECT tunnel connects only after the SNI gate let it through
             if not pins or address is None:
                 data.server.error = "egress-proxy: destination not vetted by policy"
                 host, port = (address[0], address[1]) if address else (None, None)
@@ -739,6 +843,9 @@ class EgressAddon:
                     state.counted if state is not None else _Bytes(),
                     self.metrics,
                 )
+            if tunnel is not None and tunnel.inspect:
+                # The upstream certificate is verified against the name, not the pinned address.
+                data.server.sni = tunnel.host
             data.server.address = (pins[0], address[1])
         except Exception:
             logger.exception("egress: server_connect failed")
@@ -784,6 +891,33 @@ class EgressAddon:
         except Exception:
             logger.exception("egress: server_connect_error failed")
 
+    def tls_failed_server(self, data: TlsData) -> None:
+        """An inspected upstream failed its TLS handshake (certificate not trusted, wrong name,
+        no TLS): the request is answered 502 upstream_tls and nothing is sent upstream."""
+        try:
+            message = str(data.conn.error or "TLS handshake failed")
+            self._tls_failures.append(message)
+            tunnel = self._tunnels.get(data.context.server.id)
+            host, port = (tunnel.host, tunnel.port) if tunnel is not None else (None, None)
+            self._refusal(
+                Refused(502, UPSTREAM_TLS, message, error=True),
+                data.context.client,
+                host,
+                port,
+                "https",
+                stage="upstream",
+            )
+        except Exception:
+            logger.exception("egress: tls_failed_server failed")
+
+    def take_tls_failure(self, message: str) -> bool:
+        """True (once) when `message` is a failed upstream handshake's."""
+        try:
+            self._tls_failures.remove(message)
+        except ValueError:
+            return False
+        return True
+
     def server_disconnected(self, data: ServerConnectionHookData) -> None:
         with contextlib.suppress(Exception):
             self._names.pop(data.server.id, None)
@@ -803,6 +937,22 @@ class _GuardedNextLayer(mitm_next_layer.NextLayer):
         if self._egress.claims(nextlayer):
             return
         super().next_layer(nextlayer)
+
+
+_original_socks5_layer = mode_servers.Socks5Instance.make_top_layer
+
+
+def _make_socks5_layer(self: Any, context: Any) -> layer.Layer:
+    """Socks5Instance.make_top_layer while an engine runs: our layer, which decides before it
+    replies (proxy/socks.py)."""
+    return EgressSocks5(context)
+
+
+def _mode_spec(listener: Listener) -> str:
+    """mitmproxy's mode spec for a listener: `regular@HOST:PORT` or `socks5@HOST:PORT` (an
+    IPv6 host unbracketed: mitmproxy splits host and port at the last colon)."""
+    mode = "regular" if listener.scheme == "http" else "socks5"
+    return f"{mode}@{listener.host}:{listener.port}"
 
 
 def _current_task() -> asyncio.Task[Any] | None:
@@ -825,9 +975,10 @@ def _canonical(host: str) -> str:
         return "\0" + host
 
 
-def _still_allowed(policy: Policy, target: str, pinned: Sequence[str]) -> bool:
+def _still_allowed(policy: Policy, target: str, pinned: Sequence[str], inspected: bool) -> bool:
     decision = policy.decide(target)
-    if not decision.allowed or decision.needs_inspection:
+    # A passthrough tunnel cannot be inspected after the fact: it goes when inspection is needed.
+    if not decision.allowed or (decision.needs_inspection and not inspected):
         return False
     if not pinned:
         return False
@@ -858,6 +1009,19 @@ class Engine:
         )
         self.master: Master | None = None
         self.address: tuple[str, int] | None = None
+        self.ca: CertificateAuthority | None = None
+        self.listeners: tuple[Listener, ...] = ()
+
+    def prepare(self) -> CertificateAuthority | None:
+        """What must work before anything listens: with inspection enabled, the CA (created on
+        first start) and the operator's upstream bundle. Raises ProxyError('ca_error')."""
+        if not self.config.operator.inspection_enabled:
+            return None
+        if self.ca is None:
+            if self.config.upstream_ca:
+                check_upstream_ca(self.config.upstream_ca)
+            self.ca = ensure_ca(self.config.ca_dir)
+        return self.ca
 
     @property
     def policy(self) -> Policy:
@@ -875,7 +1039,9 @@ class Engine:
         for client_id, state in list(self.addon._clients.items()):
             try:
                 denied = any(
-                    not _still_allowed(policy, target, state.vetted.get(key, ()))
+                    not _still_allowed(
+                        policy, target, state.vetted.get(key, ()), key in state.inspected
+                    )
                     for key, target in state.targets.items()
                 )
             except Exception:
@@ -892,50 +1058,82 @@ class Engine:
         return closed
 
     async def start(
-        self, listen_host: str = "127.0.0.1", listen_port: int = 3128
+        self,
+        listen_host: str = "127.0.0.1",
+        listen_port: int = 3128,
+        *,
+        listeners: Sequence[Listener] | None = None,
     ) -> tuple[str, int]:
-        """Listen (explicit HTTP proxy) and return the bound address."""
+        """Listen and return the first bound address; `self.listeners` has every one bound.
+        Without `listeners`, one explicit HTTP proxy on listen_host:listen_port."""
         global _running
+        wanted = list(listeners or [Listener("http", listen_host, listen_port)])
         if _running is not None:
             raise ProxyError("engine_running", "an engine already runs in this process")
         _running = self
         # Upstream dials go through _open_connection; our upstream errors get our responses.
         mitm_server.asyncio = _AsyncioShim()  # type: ignore[attr-defined]
         mitm_http1_layer.make_error_response = _make_error_response
+        mode_servers.Socks5Instance.make_top_layer = _make_socks5_layer  # type: ignore[method-assign]
         try:
+            ca = self.prepare()
+            inspect = ca is not None
             opts = options.Options()
+            # TlsConfig loads its CA from confdir as soon as it is added: point it at ours
+            # (prepared above), never at mitmproxy's ~/.mitmproxy.
+            opts.update(confdir=str(ca.directory) if ca is not None else "/nonexistent")
             master = Master(opts)
             self.master = master
             server = proxyserver.Proxyserver()
             # Order matters: our hooks run before mitmproxy's (server_connect pins before
             # Proxyserver's self-connect check; next_layer claims tunnels first).
-            master.addons.add(self.addon, server, _GuardedNextLayer(self.addon))
-            # Options of addons exist only once the addons are added. No Block, Onboarding,
-            # DnsResolver or TlsConfig addon is loaded: no global block page, no mitm.it, no
-            # name resolution by mitmproxy, no TLS interception.
+            addons: list[Any] = [self.addon, server, _GuardedNextLayer(self.addon)]
+            if inspect:
+                addons.append(tlsconfig.TlsConfig())
+            master.addons.add(*addons)
+            self.addon.can_inspect = inspect
+            # Options of addons exist only once the addons are added. No Block, Onboarding or
+            # DnsResolver addon is loaded: no global block page, no mitm.it, no name resolution
+            # by mitmproxy. TlsConfig only when inspection is enabled.
+            if inspect:
+                opts.update(
+                    # Upstreams of inspected hosts are verified (never ssl_insecure), against
+                    # the operator's bundle when given.
+                    ssl_insecure=False,
+                    ssl_verify_upstream_trusted_ca=(
+                        os.path.expanduser(self.config.upstream_ca)
+                        if self.config.upstream_ca
+                        else None
+                    ),
+                )
             opts.update(
-                mode=["regular"],
-                listen_host=listen_host,
-                listen_port=listen_port,
+                mode=[_mode_spec(listener) for listener in wanted],
                 connection_strategy="lazy",
                 stream_large_bodies=STREAM_LARGE_BODIES,
                 tcp_timeout=max(1, int(self.config.limits.idle_timeout)),
                 rawtcp=False,
                 http3=False,
+                # Inside interception HTTP/1.1 only: every request then carries the Host header
+                # that the per-request check compares with the tunnel's host.
+                http2=False,
             )
             ok = await server.setup_servers()
             if not ok:
                 errors = [str(s.last_exception) for s in server.servers if s.last_exception]
                 raise ProxyError(
                     "listen_failed",
-                    f"cannot listen on {_authority(listen_host, listen_port)}: "
+                    f"cannot listen on {', '.join(str(x) for x in wanted)}: "
                     + ("; ".join(errors) or "unknown error"),
                 )
             await master.running()
-            addresses = server.listen_addrs()
-            if not addresses:
-                raise ProxyError("listen_failed", "the engine bound no address")
-            self.address = (addresses[0][0], addresses[0][1])
+            bound: list[Listener] = []
+            for listener, instance in zip(wanted, server.servers, strict=True):
+                addresses = instance.listen_addrs
+                if not addresses:
+                    raise ProxyError("listen_failed", f"{listener} bound no address")
+                bound.append(Listener(listener.scheme, addresses[0][0], addresses[0][1]))
+            self.listeners = tuple(bound)
+            self.address = (bound[0].host, bound[0].port)
             return self.address
         except BaseException:
             await self._shutdown()
@@ -969,5 +1167,6 @@ class Engine:
                 _running = None
                 mitm_server.asyncio = asyncio  # type: ignore[attr-defined]
                 mitm_http1_layer.make_error_response = _original_make_error_response
+                mode_servers.Socks5Instance.make_top_layer = _original_socks5_layer  # type: ignore[method-assign]
                 self.addon._dials.clear()
             self.address = None

@@ -1,11 +1,14 @@
 """`egress-proxy run`: the components put together into one running session proxy.
 
-    inputs = load_inputs(manifest, ceiling=..., config=...)   # fails closed, nothing listens yet
-    code = asyncio.run(serve(inputs, listen=("127.0.0.1", 3128), admin=("127.0.0.1", 9901), ...))
+    inputs = read_inputs(manifest, ceiling=..., config=...)   # fails closed, nothing listens yet
+    code = run(inputs, compile_inputs(inputs), listen=[Listener("http", "127.0.0.1", 3128)],
+               admin=("127.0.0.1", 9901))
 
 Start-up order: read and compile everything (a PolicyError here is reported by the CLI with the
-same exit codes as `check`), open the audit log, bind the admin listener, bind the engine, then
-mark the proxy ready. A bind failure stops whatever was already started and exits 2.
+same exit codes as `check`), open the audit log, load (or on first start create) the inspection
+CA, bind the admin listener, bind the engine's listeners, then mark the proxy ready. A CA
+problem exits before anything listens; a bind failure stops whatever was already started and
+exits 2.
 
 Signals (handled on the event loop):
 - SIGTERM / SIGINT: `/readyz` turns 503 at once (draining), the proxy listener stops accepting,
@@ -17,7 +20,9 @@ Signals (handled on the event loop):
   stderr and counts a failed reload. The new policy applies to every later decision, and live
   client connections (CONNECT tunnels, keep-alive plain HTTP) with a destination it denies are
   closed (`Engine.set_policy`; their close lines say `policy_reload`). `limits` apply from
-  start-up only; a changed DNS configuration takes effect with a new resolver.
+  start-up only; a changed DNS configuration takes effect with a new resolver. Turning
+  inspection on, or changing its CA directory or upstream bundle, needs a restart (the reload
+  fails and says so); turning it off closes the intercepted connections.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import contextlib
 import platform
 import signal
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from typing import TextIO
@@ -39,6 +45,7 @@ from proxy.config import Config
 from proxy.engine import Engine
 from proxy.errors import ProxyError
 from proxy.inputs import load_inputs, read_input, source_name
+from proxy.listen import Listener
 from proxy.metrics import Metrics
 from proxy.resolver import Resolver
 from proxy.terminal import printable
@@ -106,7 +113,7 @@ class Runtime:
         inputs: Inputs,
         compiled: Compiled,
         *,
-        listen: tuple[str, int],
+        listen: Sequence[Listener],
         admin: tuple[str, int],
         session_id: str | None = None,
         audit_log: str | None = None,
@@ -158,13 +165,14 @@ class Runtime:
                 f"cannot open the audit log {self.audit_path}: {exc.strerror or exc}",
             ) from None
         try:
-            self.admin = AdminServer(self.readiness, self.metrics.render)
-            admin_host, admin_port = await self.admin.start(*self.admin_address)
             self.engine = Engine(
                 self.compiled.policy, resolver, config, self.metrics, self.audit, self.session_id
             )
+            ca = self.engine.prepare()  # CA problems stop start-up before anything listens
+            self.admin = AdminServer(self.readiness, self.metrics.render)
+            admin_host, admin_port = await self.admin.start(*self.admin_address)
             try:
-                host, port = await self.engine.start(*self.listen)
+                await self.engine.start(listeners=self.listen)
             except ProxyError as exc:
                 # mitmproxy's message carries a hint about its own --mode option: keep line one.
                 first = exc.message.splitlines()[0] if exc.message else str(exc)
@@ -175,11 +183,13 @@ class Runtime:
             # set this condition from their own check.
             self.readiness.set("boundary_verified", True)
             self._install_signals()
-            where = format_listen(host, port)
             self.say(
-                f"listening on {where} (admin http://{format_listen(admin_host, admin_port)}"
-                f"/readyz /metrics); try: curl -x http://{where} https://pypi.org/simple/"
+                f"listening on {_listening(self.engine.listeners)} "
+                f"(admin http://{format_listen(admin_host, admin_port)}/readyz /metrics); "
+                f"try: {_try_it(self.engine.listeners[0])}"
             )
+            if ca is not None:
+                self.say(ca.trust_hint())
             await self._stop.wait()
             await self._drain()
             return 0
@@ -258,6 +268,11 @@ class Runtime:
                 return False
             old = self.compiled.config
             new = compiled.config
+            restart = _needs_restart(old, new)
+            if restart:
+                self.metrics.reload(ok=False)
+                self.say(f"reload failed, keeping the previous policy: {restart}")
+                return False
             if (old.nameservers, old.dns_timeout) != (new.nameservers, new.dns_timeout):
                 try:
                     resolver = Resolver.from_config(new)
@@ -277,11 +292,39 @@ class Runtime:
             return True
 
 
+def _listening(listeners: Sequence[Listener]) -> str:
+    """`127.0.0.1:3128` for the usual single HTTP proxy; every other listener with its
+    scheme (`127.0.0.1:3128 and socks5://127.0.0.1:1080`)."""
+    first, *rest = listeners
+    shown = [format_listen(first.host, first.port) if first.scheme == "http" else str(first)]
+    return " and ".join(shown + [str(x) for x in rest])
+
+
+def _try_it(listener: Listener) -> str:
+    where = format_listen(listener.host, listener.port)
+    option = "-x http://" if listener.scheme == "http" else "--socks5-hostname "
+    return f"curl {option}{where} https://pypi.org/simple/"
+
+
+def _needs_restart(old: Config, new: Config) -> str | None:
+    """What a reload cannot change in a running engine (mitmproxy's TLS set-up is made once)."""
+    if old.operator.inspection_enabled != new.operator.inspection_enabled and (
+        new.operator.inspection_enabled
+    ):
+        return "inspection.enabled turned on needs a restart (the CA is loaded at start)"
+    if new.operator.inspection_enabled and (old.ca_dir, old.upstream_ca) != (
+        new.ca_dir,
+        new.upstream_ca,
+    ):
+        return "inspection.ca_dir and inspection.upstream_ca changes need a restart"
+    return None
+
+
 def run(
     inputs: Inputs,
     compiled: Compiled,
     *,
-    listen: tuple[str, int],
+    listen: Sequence[Listener],
     admin: tuple[str, int],
     session_id: str | None = None,
     audit_log: str | None = None,

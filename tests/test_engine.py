@@ -11,6 +11,7 @@ import json
 import re
 import socket
 import ssl
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ from policy import compile_policy, load_manifest
 from proxy.audit import AuditLog
 from proxy.config import load_config
 from proxy.engine import DENIED_HEADER, ERROR_HEADER, Engine
+from proxy.listen import Listener
 from proxy.metrics import Metrics
 from proxy.resolver import Resolver
 
@@ -73,8 +75,8 @@ class Upstream:
 
 
 @contextlib.asynccontextmanager
-async def serving(upstream: Upstream) -> AsyncIterator[Upstream]:
-    server = await asyncio.start_server(upstream.handle, "127.0.0.1", 0)
+async def serving(upstream: Upstream, tls: ssl.SSLContext | None = None) -> AsyncIterator[Upstream]:
+    server = await asyncio.start_server(upstream.handle, "127.0.0.1", 0, ssl=tls)
     upstream.port = server.sockets[0].getsockname()[1]
     try:
         yield upstream
@@ -97,6 +99,11 @@ class Running:
         return [json.loads(line) for line in self.audit.getvalue().splitlines()]
 
 
+# One inspection CA for the module (made on first use, removed at exit): a 2048-bit key per
+# engine start would cost more than most tests here.
+CA_DIR = tempfile.TemporaryDirectory(prefix="egress-ca-")
+
+
 @pytest.fixture
 def dns() -> Iterator[DNSServer]:
     with running_dns_server() as server:
@@ -104,19 +111,28 @@ def dns() -> Iterator[DNSServer]:
 
 
 @contextlib.asynccontextmanager
-async def started(dns: DNSServer, extra: str = "") -> AsyncIterator[Running]:
-    """An engine on a random loopback port; `extra` is more operator config (YAML)."""
+async def started(
+    dns: DNSServer,
+    extra: str = "",
+    manifest: str = MANIFEST,
+    source: str = "agent.yaml",
+    listeners: list[Listener] | None = None,
+) -> AsyncIterator[Running]:
+    """An engine on a random loopback port (or on `listeners`); `extra` is more operator
+    config (YAML)."""
+    if "inspection:" not in extra:
+        extra += f"inspection:\n  ca_dir: {CA_DIR.name}\n"
     config = load_config(
         f"dns:\n  nameservers: ['127.0.0.1:{dns.address[1]}']\n  timeout: 1s\n"
         "addresses:\n  allow: [127.0.0.0/8]\n" + extra
     )
-    policy = compile_policy(load_manifest(MANIFEST), None, config.operator)
+    policy = compile_policy(load_manifest(manifest, source=source), None, config.operator)
     metrics = Metrics()
     stream = io.StringIO()
     audit = AuditLog(stream=stream, session="test-session", metrics=metrics)
     engine = Engine(policy, Resolver.from_config(config), config, metrics, audit, "test-session")
     try:
-        host, port = await engine.start("127.0.0.1", 0)
+        host, port = await engine.start("127.0.0.1", 0, listeners=listeners)
         assert host == "127.0.0.1"
         yield Running(engine, port, dns, stream, metrics)
     finally:

@@ -1,0 +1,418 @@
+"""Real clients (curl, openssl s_client) against the real `egress-proxy run` process.
+
+A TLS upstream of the test's own (a trustme certificate for tls.test) listens on 127.0.0.1; the
+test DNS server answers for the names. What is checked is what a user sees: the CONNECT status
+and its `X-Egress-Denied` header, whether the client verified the upstream's own certificate
+(the proxy passes TLS through, it does not intercept), the audit lines and the metrics.
+
+Answers that must be refused include non-loopback addresses (link-local, metadata, NAT64,
+private). For those the client sends no TLS after its CONNECT: even a proxy that wrongly
+answered 200 would then close the tunnel at its SNI gate (not TLS) before dialling, so no test
+here can make anything dial beyond loopback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import socket
+import ssl
+import subprocess
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import trustme
+from dns_server import DNSServer, running_dns_server
+from running import OPENSSL, RunningProxy, curl, metric_value, wait_for
+
+MANIFEST = "network:\n  egress: [tls.test, other.test, refused.test]\n"
+# 127.0.0.1 only: 127.0.0.2 stays a refused loopback address.
+ALLOW = ("127.0.0.1/32",)
+TLS_BODY = b"hello over tls\n"
+
+
+# -- a TLS upstream ----------------------------------------------------------------------------
+
+
+@dataclass
+class TLSUpstream:
+    """A TLS server for tls.test on loopback (127.0.0.1, and 127.0.0.2 on the same port, so a
+    dial to a refused loopback address would be seen too). Every accepted TCP connection is
+    counted before any byte is read; `received` counts the bytes that arrived before the
+    handshake (a ClientHello)."""
+
+    ca: trustme.CA
+    ca_file: Path
+    leaf_pem: str
+    port: int = 0
+    connections: int = 0
+    received: int = 0
+    handshakes: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def snapshot(self) -> tuple[int, int]:
+        with self._lock:
+            return self.connections, self.received
+
+    def serve(self, listener: socket.socket, context: ssl.SSLContext) -> None:
+        listener.settimeout(0.1)
+        while not self._stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with self._lock:
+                self.connections += 1
+            threading.Thread(target=self._handle, args=(conn, context), daemon=True).start()
+
+    def _handle(self, conn: socket.socket, context: ssl.SSLContext) -> None:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(conn)
+            conn.settimeout(5)
+            try:
+                first = conn.recv(65536, socket.MSG_PEEK)
+                with self._lock:
+                    self.received += len(first)
+                if not first:
+                    return
+                tls = stack.enter_context(context.wrap_socket(conn, server_side=True))
+                with self._lock:
+                    self.handshakes += 1
+                request = b""
+                while b"\r\n\r\n" not in request and len(request) < 65536:
+                    chunk = tls.recv(4096)
+                    if not chunk:
+                        return
+                    request += chunk
+                tls.sendall(
+                    b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
+                    % (len(TLS_BODY), TLS_BODY)
+                )
+                with contextlib.suppress(OSError, ssl.SSLError):
+                    tls.unwrap()
+            except (OSError, ssl.SSLError):
+                return  # a client that gave up verification, or a closed tunnel
+
+
+@contextlib.contextmanager
+def tls_upstream(directory: Path) -> Iterator[TLSUpstream]:
+    ca = trustme.CA()
+    leaf = ca.issue_cert("tls.test")
+    ca_file = directory / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    leaf.configure_cert(context)
+    upstream = TLSUpstream(ca, ca_file, leaf.cert_chain_pems[0].bytes().decode())
+    listeners: list[socket.socket] = []
+    for _ in range(20):  # the same free port on 127.0.0.1 and 127.0.0.2
+        first = socket.create_server(("127.0.0.1", 0))
+        port = first.getsockname()[1]
+        try:
+            second = socket.create_server(("127.0.0.2", port))
+        except OSError:
+            first.close()
+            continue
+        listeners = [first, second]
+        upstream.port = port
+        break
+    assert listeners, "no port free on both 127.0.0.1 and 127.0.0.2"
+    threads = [
+        threading.Thread(target=upstream.serve, args=(s, context), daemon=True) for s in listeners
+    ]
+    try:
+        for thread in threads:
+            thread.start()
+        # Both listeners are counted (the harness checks itself), then the counts start at 0.
+        for address in ("127.0.0.1", "127.0.0.2"):
+            socket.create_connection((address, upstream.port), timeout=2).close()
+        wait_for(lambda: upstream.snapshot()[0] == 2, timeout=5, what="the upstream self-check")
+        with upstream._lock:
+            upstream.connections = upstream.received = 0
+        yield upstream
+    finally:
+        upstream._stop.set()
+        for thread in threads:
+            thread.join(timeout=5)
+        for listener in listeners:
+            listener.close()
+
+
+# -- fixtures: one proxy for the module ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dns() -> Iterator[DNSServer]:
+    with running_dns_server() as server:
+        server.set("tls.test", a=["127.0.0.1"])
+        server.set("other.test", a=["127.0.0.1"])
+        yield server
+
+
+@pytest.fixture(scope="module")
+def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TLSUpstream]:
+    with tls_upstream(tmp_path_factory.mktemp("tls")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def proxy(tmp_path_factory: pytest.TempPathFactory, dns: DNSServer) -> Iterator[RunningProxy]:
+    directory = tmp_path_factory.mktemp("proxy")
+    with RunningProxy(directory, MANIFEST, dns=dns, allow=ALLOW) as running:
+        yield running
+
+
+def s_client(proxy_port: int, target: str, *args: str) -> tuple[int, str]:
+    """openssl s_client through the proxy; stdin is empty, so it ends after the handshake."""
+    result = subprocess.run(
+        [OPENSSL, "s_client", "-proxy", f"127.0.0.1:{proxy_port}", "-connect", target, *args],
+        input=b"",
+        capture_output=True,
+        timeout=20,
+    )
+    return result.returncode, (result.stdout + result.stderr).decode("latin-1")
+
+
+def decisions_for(proxy: RunningProxy, host: str) -> list[dict]:
+    return [line for line in proxy.decisions() if line["host"] == host]
+
+
+# -- 1. an allowed tunnel, end to end ------------------------------------------------------------
+
+
+def test_allowed_tunnel_reaches_the_real_upstream(
+    proxy: RunningProxy, upstream: TLSUpstream
+) -> None:
+    url = f"https://tls.test:{upstream.port}/"
+    before_lines = len(proxy.audit())
+    connections, received = upstream.snapshot()
+    result = curl(proxy.port, url, "--cacert", str(upstream.ca_file))
+    assert result.returncode == 0, result
+    assert result.connect_status == 200
+    assert (result.status, result.body) == (200, TLS_BODY.decode())
+
+    # Without the test CA the client refuses the certificate it got: it is the upstream's own
+    # (signed by the test CA), not one the proxy minted.
+    result = curl(proxy.port, url)
+    assert result.connect_status == 200
+    assert result.returncode == 60, result  # CURLE_PEER_FAILED_VERIFICATION
+    assert result.status == 0 and result.body == ""
+
+    # The very certificate the upstream holds, verified by the client against the test CA.
+    code, out = s_client(
+        proxy.port,
+        f"tls.test:{upstream.port}",
+        "-servername",
+        "tls.test",
+        "-CAfile",
+        str(upstream.ca_file),
+        "-verify_return_error",
+    )
+    assert code == 0, out
+    assert "Verify return code: 0 (ok)" in out
+    presented = re.search(r"-----BEGIN CERTIFICATE-----.*?-----END CERTIFICATE-----\n", out, re.S)
+    assert presented is not None and presented[0] == upstream.leaf_pem
+
+    # Three tunnels reached the upstream, each opened by a ClientHello.
+    after = upstream.snapshot()
+    assert after[0] == connections + 3 and after[1] > received, (after, connections, received)
+
+    lines = [line for line in proxy.audit()[before_lines:] if line["event"] == "decision"]
+    assert all(line["host"] == "tls.test" and line["decision"] == "allow" for line in lines)
+    assert [line["stage"] for line in lines] == ["name", "address", "sni"] * 3, lines
+    assert {line["reason"] for line in lines} == {"allowed"}
+    assert lines[1]["pinned"] == ["127.0.0.1"] and lines[2]["sni"] == "tls.test"
+
+
+# -- 2. a denied name ------------------------------------------------------------------------
+
+
+def test_denied_name_is_403_and_never_resolved(
+    proxy: RunningProxy, dns: DNSServer, upstream: TLSUpstream
+) -> None:
+    before = upstream.snapshot()
+    result = curl(
+        proxy.port, f"https://denied.test:{upstream.port}/", "--cacert", str(upstream.ca_file)
+    )
+    assert result.connect_status == 403
+    assert result.returncode == 56, result  # CURLE_RECV_ERROR: CONNECT tunnel failed
+    assert result.headers["x-egress-denied"] == "not_allowed"
+    assert result.status == 0 and result.body == ""
+    assert dns.count("denied.test") == 0
+    assert upstream.snapshot() == before
+    (line,) = decisions_for(proxy, "denied.test")
+    assert (line["decision"], line["reason"], line["stage"]) == ("deny", "not_allowed", "name")
+    assert line["method"] == "CONNECT" and line["resolved"] is None
+
+
+# -- 3. answers that are refused whole ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "a", "aaaa", "reason"),
+    [
+        ("loopback", ["127.0.0.2"], [], "loopback"),
+        ("mapped", [], ["::ffff:127.0.0.1"], "ipv4_mapped"),
+        ("linklocal", ["169.254.7.7"], [], "link_local"),
+        ("nat64", [], ["64:ff9b::a00:1"], "nat64"),
+        ("metadata", ["169.254.169.254"], [], "metadata"),
+        ("metadata6", [], ["fd00:ec2::254"], "metadata"),
+        ("mixed", ["127.0.0.1", "10.0.0.1"], [], "mixed_answer"),
+    ],
+)
+def test_refused_answer_is_403_and_nothing_is_dialled(
+    proxy: RunningProxy,
+    dns: DNSServer,
+    upstream: TLSUpstream,
+    name: str,
+    a: list[str],
+    aaaa: list[str],
+    reason: str,
+) -> None:
+    host = f"{name}.refused.test"
+    dns.set(host, a=a, aaaa=aaaa)
+    loopback_only = all(
+        addr.startswith("127.") or addr.startswith("::ffff:127.") for addr in a + aaaa
+    )
+    before = upstream.snapshot()
+    if loopback_only:
+        # A real TLS client: a proxy that let this through would dial our upstream.
+        result = curl(
+            proxy.port, f"https://{host}:{upstream.port}/", "--cacert", str(upstream.ca_file)
+        )
+    else:
+        # No TLS after CONNECT (see the module docstring): nothing can dial beyond loopback.
+        result = curl(proxy.port, f"http://{host}:{upstream.port}/", "-p")
+    assert result.connect_status == 403, result
+    assert result.headers["x-egress-denied"] == reason
+    assert result.status == 0 and result.body == ""
+    assert dns.count(host) >= 1  # the name was allowed, so it was resolved
+
+    if loopback_only:
+        # Plain HTTP is decided per request the same way.
+        plain = curl(proxy.port, f"http://{host}:{upstream.port}/plain")
+        assert plain.status == 403 and plain.headers["x-egress-denied"] == reason
+    assert upstream.snapshot() == before  # no connection, no byte
+
+    lines = decisions_for(proxy, host)
+    assert lines, proxy.audit()
+    for line in lines:
+        assert [line["stage"], line["decision"]] in (["name", "allow"], ["address", "deny"])
+    denials = [line for line in lines if line["decision"] == "deny"]
+    assert denials and all(line["reason"] == reason for line in denials)
+    assert sorted(denials[0]["resolved"]) == sorted(a + aaaa)
+    assert denials[0]["pinned"] == []
+
+
+# -- 4. the SNI gate -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "reason", "sni"),
+    [
+        (["-servername", "other.test"], "sni_mismatch", "other.test"),
+        (["-noservername"], "sni_missing", None),
+    ],
+)
+def test_sni_gate_closes_the_tunnel_before_any_dial(
+    proxy: RunningProxy, upstream: TLSUpstream, args: list[str], reason: str, sni: str | None
+) -> None:
+    before_lines = len(proxy.audit())
+    before = upstream.snapshot()
+    code, out = s_client(proxy.port, f"tls.test:{upstream.port}", *args)
+    assert code != 0, out
+    # The tunnel closed before any server byte: no certificate, no cipher.
+    assert "no peer certificate available" in out, out
+    assert "BEGIN CERTIFICATE" not in out and "Cipher is (NONE)" in out, out
+    assert upstream.snapshot() == before  # the upstream never saw a connection or a ClientHello
+
+    def sni_denials() -> list[dict]:
+        new = proxy.audit()[before_lines:]
+        return [line for line in new if line["event"] == "decision" and line["stage"] == "sni"]
+
+    wait_for(sni_denials, timeout=5, what="the SNI decision line")
+    (line,) = sni_denials()
+    assert (line["decision"], line["reason"], line["host"]) == ("deny", reason, "tls.test")
+    assert line["sni"] == sni and line["port"] == upstream.port
+
+
+# -- 5. metrics and audit after a mix of requests ----------------------------------------------
+
+
+def test_metrics_and_audit_account_for_every_decision(
+    tmp_path: Path, dns: DNSServer, upstream: TLSUpstream
+) -> None:
+    dns.set("loopback.refused.test", a=["127.0.0.2"])
+    cacert = ("--cacert", str(upstream.ca_file))
+    with RunningProxy(tmp_path, MANIFEST, dns=dns, allow=ALLOW, session_id="mix") as proxy:
+        port, up = proxy.port, upstream.port
+        for _ in range(2):
+            assert curl(port, f"https://tls.test:{up}/", *cacert).status == 200
+        assert (
+            curl(port, f"https://other.test:{up}/", *cacert).returncode == 60
+        )  # cert for tls.test
+        assert curl(port, f"https://nope.test:{up}/", *cacert).connect_status == 403
+        result = curl(port, f"https://loopback.refused.test:{up}/", *cacert)
+        assert result.headers["x-egress-denied"] == "loopback"
+        assert s_client(port, f"tls.test:{up}", "-servername", "other.test")[0] != 0
+        assert s_client(port, f"tls.test:{up}", "-noservername")[0] != 0
+        connections = 7
+
+        wait_for(lambda: len(proxy.closes()) == connections, timeout=10, what="7 close lines")
+        decisions, closes = proxy.decisions(), proxy.closes()
+        metrics = proxy.metrics()
+
+    counted: dict[tuple[str, str, str], int] = {}
+    for line in decisions:
+        key = (line["decision"], line["reason"], line["stage"])
+        counted[key] = counted.get(key, 0) + 1
+    assert counted == {
+        # tls.test twice, other.test once (the client refused its certificate after the gate),
+        # loopback.refused.test and both SNI-gated tunnels at the name and address stages.
+        ("allow", "allowed", "name"): 6,
+        ("allow", "allowed", "address"): 5,
+        ("allow", "allowed", "sni"): 3,
+        ("deny", "not_allowed", "name"): 1,
+        ("deny", "loopback", "address"): 1,
+        ("deny", "sni_mismatch", "sni"): 1,
+        ("deny", "sni_missing", "sni"): 1,
+    }
+    # One decision line per decision: each counter equals its audit lines.
+    for (decision, reason, stage), count in counted.items():
+        value = metric_value(
+            metrics,
+            "egress_decisions_total",
+            decision=decision,
+            reason=reason,
+            stage=stage,
+            plane="l7",
+        )
+        assert value == count, (decision, reason, stage, value, count)
+    assert metric_value(metrics, "egress_decisions_total") == len(decisions)
+    assert all(line["session"] == "mix" for line in decisions + closes)
+
+    # One close line per client connection, with the bytes of allowed tunnels.
+    assert len({line["connection"] for line in decisions}) == connections
+    assert {line["connection"] for line in closes} == {line["connection"] for line in decisions}
+    tunnels = [line for line in closes if line["upstream"] is not None]
+    assert len(tunnels) == 3  # tls.test twice, other.test
+    for line in tunnels:
+        assert line["upstream"] == f"127.0.0.1:{up}" and line["protocol"] == "connect"
+        assert line["bytes_up"] > 200 and line["bytes_down"] > 500, line  # hello; certificate
+    served = [line for line in tunnels if line["host"] == "tls.test"]
+    assert len(served) == 2 and all(line["sni"] == "tls.test" for line in served)
+    for line in closes:
+        if line["upstream"] is None:
+            assert (line["bytes_up"], line["bytes_down"]) == (0, 0), line
+    assert metric_value(metrics, "egress_bytes_total", direction="up") == sum(
+        line["bytes_up"] for line in closes
+    )
+    assert metric_value(metrics, "egress_bytes_total", direction="down") == sum(
+        line["bytes_down"] for line in closes
+    )
+    assert metric_value(metrics, "egress_connections_total") == connections

@@ -1,0 +1,340 @@
+"""WebSocket through the L7 engine: an upgrade follows the rules of the request that opens it.
+
+The engine runs in-process on loopback against the test DNS server; the upstream is a wsproto
+echo server of the tests' own and the client is wsproto over a raw connection to the proxy,
+sending its upgrade in absolute form as a client of an explicit HTTP proxy does."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import io
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import pytest_asyncio
+from dns_server import DNSServer, running_dns_server
+from mitmproxy import http
+from mitmproxy.websocket import WebSocketMessage
+from test_engine import Running
+from ws_server import EchoServer, WSClient, serving_echo
+from wsproto.events import BytesMessage, Ping, Pong, TextMessage
+
+from policy import compile_policy, load_manifest
+from proxy.audit import AuditLog
+from proxy.config import load_config
+from proxy.engine import DENIED_HEADER, Engine
+from proxy.metrics import Metrics
+from proxy.resolver import Resolver
+
+MANIFEST = "network:\n  egress: [ws.test, private.test]\n"
+
+
+@pytest.fixture
+def dns() -> Iterator[DNSServer]:
+    with running_dns_server() as server:
+        yield server
+
+
+@contextlib.asynccontextmanager
+async def started(dns: DNSServer, manifest: str, source: str) -> AsyncIterator[Running]:
+    """An engine on a random loopback port for `manifest`, loopback upstreams allowed."""
+    config = load_config(
+        f"dns:\n  nameservers: ['127.0.0.1:{dns.address[1]}']\n  timeout: 1s\n"
+        "addresses:\n  allow: [127.0.0.0/8]\n"
+    )
+    policy = compile_policy(load_manifest(manifest, source=source), None, config.operator)
+    metrics = Metrics()
+    stream = io.StringIO()
+    audit = AuditLog(stream=stream, session="test-session", metrics=metrics)
+    engine = Engine(policy, Resolver.from_config(config), config, metrics, audit, "test-session")
+    try:
+        _, port = await engine.start("127.0.0.1", 0)
+        yield Running(engine, port, dns, stream, metrics)
+    finally:
+        await engine.stop()
+
+
+@pytest_asyncio.fixture
+async def proxy(dns: DNSServer) -> AsyncIterator[Running]:
+    async with started(dns, MANIFEST, "agent.yaml") as running:
+        yield running
+
+
+@pytest_asyncio.fixture
+async def echo() -> AsyncIterator[EchoServer]:
+    async with serving_echo() as server:
+        yield server
+
+
+def decisions(proxy: Running) -> list[dict]:
+    return [x for x in proxy.lines() if x["event"] == "decision"]
+
+
+async def eventually(condition, what: str) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(250):  # 5 s
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+# -- allowed ---------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_allowed_upgrade_relays_messages_both_ways_and_closes(
+    proxy: Running, echo: EchoServer
+) -> None:
+    proxy.dns.set("ws.test", a=["127.0.0.1"])
+    authority = f"ws.test:{echo.port}"
+    client, answer = await WSClient.through_proxy(proxy.port, authority, "/chat")
+    # 101 (wsproto also checked Sec-WebSocket-Accept), and the upstream saw the name, not the
+    # pinned address, in Host, and the request in origin form.
+    assert answer.status == 101, answer
+    assert answer.status_line.startswith(b"HTTP/1.1 101")
+    assert [(h.host, h.target) for h in echo.handshakes] == [(authority, "/chat")]
+
+    await client.send(TextMessage("hello, wörld ✓"))
+    assert await client.message() == "hello, wörld ✓"
+    binary = bytes(range(256)) * 4
+    await client.send(BytesMessage(binary))
+    assert await client.message() == binary
+    # A message in three fragments arrives whole, as text; a large one too.
+    await client.send(TextMessage("one ", message_finished=False))
+    await client.send(TextMessage("two ", message_finished=False))
+    await client.send(TextMessage("three", message_finished=True))
+    assert await client.message() == "one two three"
+    large = b"\x00\xff" * 100_000
+    await client.send(BytesMessage(large))
+    assert await client.message() == large
+    await client.send(Ping(b"are you there"))
+    pong = await client.event()
+    assert isinstance(pong, Pong) and pong.payload == b"are you there"
+    assert echo.messages == 4
+
+    # The close handshake goes through both ways, then the proxy closes the connection.
+    assert await client.close(1000, "bye") == 1000
+    assert echo.close_codes == [1000]
+    assert echo.connections == 1
+    assert proxy.dns.count("ws.test", "A") == 1
+
+
+# -- denied upgrades -------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_upgrade_to_an_undeclared_name_is_403_and_never_resolved(
+    proxy: Running, echo: EchoServer
+) -> None:
+    proxy.dns.set("denied.test", a=["127.0.0.1"])
+    client, answer = await WSClient.through_proxy(proxy.port, f"denied.test:{echo.port}", "/chat")
+    client.abort()
+    assert answer.status == 403
+    assert answer.headers[DENIED_HEADER.lower()] == "not_allowed"
+    assert answer.body.count(b"\n") == 1 and f"denied.test:{echo.port}".encode() in answer.body
+    assert echo.connections == 0 and echo.handshakes == []
+    assert proxy.dns.queries == []
+    (line,) = decisions(proxy)
+    assert (line["decision"], line["reason"], line["stage"]) == ("deny", "not_allowed", "name")
+    assert (line["method"], line["path"]) == ("GET", "/chat")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "host",
+    [
+        pytest.param("private.test:{port}", id="another-allowed-name"),
+        pytest.param("evil.test:{port}", id="undeclared-name"),
+        pytest.param("ws.test", id="default-port"),  # port 80, not the request line's
+        pytest.param("ws.test:{port}, evil.test", id="list"),
+    ],
+)
+async def test_upgrade_with_a_mismatched_host_header_is_403(
+    proxy: Running, echo: EchoServer, host: str
+) -> None:
+    proxy.dns.set("ws.test", a=["127.0.0.1"])
+    client, answer = await WSClient.through_proxy(
+        proxy.port, f"ws.test:{echo.port}", "/chat", host=host.format(port=echo.port)
+    )
+    client.abort()
+    assert answer.status == 403
+    assert answer.headers[DENIED_HEADER.lower()] == "host_mismatch"
+    assert echo.connections == 0
+    assert proxy.dns.queries == []  # refused before the name stage
+    (line,) = decisions(proxy)
+    assert (line["stage"], line["reason"], line["path"]) == ("host", "host_mismatch", "/chat")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("answer_a", "reason"),
+    [(["10.0.0.1"], "private"), (["127.0.0.1", "10.0.0.1"], "mixed_answer")],
+)
+async def test_upgrade_to_a_name_with_a_private_answer_is_403(
+    proxy: Running, echo: EchoServer, answer_a: list[str], reason: str
+) -> None:
+    proxy.dns.set("private.test", a=answer_a)
+    client, answer = await WSClient.through_proxy(proxy.port, f"private.test:{echo.port}", "/")
+    client.abort()
+    assert answer.status == 403
+    assert answer.headers[DENIED_HEADER.lower()] == reason
+    assert echo.connections == 0
+    address = next(x for x in decisions(proxy) if x["stage"] == "address")
+    assert (address["decision"], sorted(address["resolved"]), address["pinned"]) == (
+        "deny",
+        sorted(answer_a),
+        [],
+    )
+
+
+# -- URL-prefix rules (agent.toml) -----------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_path_rules_decide_the_upgrade(dns: DNSServer, echo: EchoServer) -> None:
+    # A URL-prefix rule with a port matches that port only, so the pattern names the echo's.
+    manifest = f'[network_access]\nallowed = ["http://ws.test:{echo.port}/chat"]\n'
+    async with started(dns, manifest, "agent.toml") as proxy:
+        proxy.dns.set("ws.test", a=["127.0.0.1"])
+        authority = f"ws.test:{echo.port}"
+        for path in ("/admin", "/chat/../admin", "/chatroom"):
+            client, answer = await WSClient.through_proxy(proxy.port, authority, path)
+            client.abort()
+            assert (answer.status, answer.headers.get(DENIED_HEADER.lower())) == (
+                403,
+                "path_not_allowed",
+            ), path
+        assert echo.connections == 0
+        assert proxy.dns.queries == []
+
+        client, answer = await WSClient.through_proxy(proxy.port, authority, "/chat/room?x=1")
+        assert answer.status == 101, answer
+        await client.send(TextMessage("in the room"))
+        assert await client.message() == "in the room"
+        assert await client.close() == 1000
+        assert [h.target for h in echo.handshakes] == ["/chat/room?x=1"]
+        allowed = [x for x in decisions(proxy) if x["decision"] == "allow"]
+        assert [(x["stage"], x["rule"]) for x in allowed] == [
+            ("name", "network_access.allowed[0]"),
+            ("address", "network_access.allowed[0]"),
+        ]
+
+
+# -- memory ----------------------------------------------------------------------------------
+
+
+class FlowRecorder:
+    """A test addon, added after the engine's: it keeps the WebSocket flows it sees and counts
+    message hooks, so the test can look at what mitmproxy holds for the flow."""
+
+    name = "test-flow-recorder"
+
+    def __init__(self) -> None:
+        self.flows: list[http.HTTPFlow] = []
+        self.hooks = 0
+        self.most_held = 0  # the longest messages list seen at a message hook
+
+    def websocket_start(self, flow: http.HTTPFlow) -> None:
+        self.flows.append(flow)
+
+    def websocket_message(self, flow: http.HTTPFlow) -> None:
+        self.hooks += 1
+        assert flow.websocket is not None
+        self.most_held = max(self.most_held, len(flow.websocket.messages))
+
+
+def live_messages() -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, WebSocketMessage))
+
+
+@pytest.mark.asyncio
+async def test_a_long_lived_websocket_keeps_no_messages(proxy: Running, echo: EchoServer) -> None:
+    recorder = FlowRecorder()
+    assert proxy.engine.master is not None
+    proxy.engine.master.addons.add(recorder)
+    proxy.dns.set("ws.test", a=["127.0.0.1"])
+    client, answer = await WSClient.through_proxy(proxy.port, f"ws.test:{echo.port}", "/chat")
+    assert answer.status == 101, answer
+    before = live_messages()
+    batches, batch = 20, 50  # 1,000 messages up and 1,000 echoed down
+    payload = b"m" * 512
+    for n in range(batches):
+        for i in range(batch):
+            await client.send(BytesMessage(payload + b"%d.%d" % (n, i)))
+        for i in range(batch):
+            assert await client.message() == payload + b"%d.%d" % (n, i)
+    assert echo.messages == batches * batch
+    # The socket is still open: mitmproxy's flow for it holds no message, nothing else does.
+    (flow,) = recorder.flows
+    assert flow.websocket is not None and flow.live
+    assert recorder.hooks == 2 * batches * batch
+    assert len(flow.websocket.messages) == 0
+    assert recorder.most_held == 0
+    assert live_messages() - before < 10
+    assert await client.close() == 1000
+
+
+# -- audit and metrics -----------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_the_upgrade_is_audited_with_method_and_path(
+    proxy: Running, echo: EchoServer
+) -> None:
+    proxy.dns.set("ws.test", a=["127.0.0.1"])
+    client, answer = await WSClient.through_proxy(proxy.port, f"ws.test:{echo.port}", "/chat?v=2")
+    assert answer.status == 101
+    payload = b"x" * 10_000
+    for _ in range(5):
+        await client.send(BytesMessage(payload))
+        assert await client.message() == payload
+    assert await client.close() == 1000
+    await eventually(lambda: any(x["event"] == "close" for x in proxy.lines()), "the close line")
+
+    lines = decisions(proxy)
+    assert [(x["stage"], x["decision"], x["method"], x["path"]) for x in lines] == [
+        ("name", "allow", "GET", "/chat?v=2"),
+        ("address", "allow", "GET", "/chat?v=2"),
+    ]
+    assert lines[1]["rule"] == "network.egress[0]" and lines[1]["pinned"] == ["127.0.0.1"]
+    assert {x["protocol"] for x in lines} == {"http"}
+    (close,) = [x for x in proxy.lines() if x["event"] == "close"]
+    assert close["upstream"] == f"127.0.0.1:{echo.port}"
+    # The WebSocket traffic is counted: 50 KB each way plus the handshake and frame heads.
+    assert 50_000 < close["bytes_up"] < 52_000
+    assert 50_000 < close["bytes_down"] < 52_000
+    text = proxy.metrics.render()[0].decode()
+    for stage in ("name", "address"):
+        labels = f'decision="allow",plane="l7",reason="allowed",stage="{stage}"'
+        assert f"egress_decisions_total{{{labels}}} 1.0" in text, text
+
+
+# -- reload ----------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_reload_closes_a_live_websocket_the_new_policy_denies(
+    proxy: Running, echo: EchoServer
+) -> None:
+    proxy.dns.set("ws.test", a=["127.0.0.1"])
+    proxy.dns.set("private.test", a=["127.0.0.1"])
+    kept, answer = await WSClient.through_proxy(proxy.port, f"ws.test:{echo.port}", "/chat")
+    assert answer.status == 101
+    dropped, answer = await WSClient.through_proxy(proxy.port, f"private.test:{echo.port}", "/")
+    assert answer.status == 101
+    operator = proxy.engine.policy.operator
+    narrower = compile_policy(load_manifest("network:\n  egress: [ws.test]\n"), None, operator)
+    assert len(proxy.engine.set_policy(narrower)) == 1
+    with pytest.raises(ConnectionError):
+        for _ in range(10):  # at most an unclean close event before the EOF
+            await dropped.event()
+    dropped.abort()
+    await kept.send(TextMessage("still here"))
+    assert await kept.message() == "still here"
+    assert await kept.close() == 1000
+    await eventually(lambda: len([x for x in proxy.lines() if x["event"] == "close"]) == 2, "2")
+    reasons = sorted((x["host"], x["reason"]) for x in proxy.lines() if x["event"] == "close")
+    assert reasons == [("private.test", "policy_reload"), ("ws.test", "closed")]
