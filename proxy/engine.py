@@ -59,7 +59,7 @@ from mitmproxy.master import Master
 from mitmproxy.net.http import http1 as mitm_http1
 from mitmproxy.net.http import url as mitm_url
 from mitmproxy.net.tls import starts_like_tls_record
-from mitmproxy.proxy import commands, events, layer, layers, mode_servers
+from mitmproxy.proxy import commands, events, layer, layers, mode_servers, mode_specs
 from mitmproxy.proxy import server as mitm_server
 from mitmproxy.proxy.layers.http import _http1 as mitm_http1_layer
 from mitmproxy.proxy.layers.tls import parse_client_hello
@@ -489,7 +489,8 @@ class EgressAddon:
                 return
             self._state(client)
             if self.metrics is not None:
-                self.metrics.connection_opened("l7", "http")
+                socks = isinstance(client.proxy_mode, mode_specs.Socks5Mode)
+                self.metrics.connection_opened("l7", "socks5" if socks else "http")
         except Exception:
             logger.exception("egress: client_connected failed")
             client.error = "egress-proxy: internal error"

@@ -20,6 +20,7 @@ from test_engine import CURL, Running, Upstream, client_hello, closed_by_peer, s
 from proxy.cli import main
 from proxy.listen import Listener, parse_listener
 
+
 @pytest.fixture
 def dns() -> Iterator[DNSServer]:
     with running_dns_server() as server:
@@ -107,6 +108,11 @@ async def test_denied_name_is_reply_2_and_never_resolved(proxy: Running) -> None
     assert proxy.dns.count("denied.test", "A") == 0
     denial = next(x for x in proxy.lines() if x["decision"] == "deny")
     assert (denial["reason"], denial["protocol"]) == ("not_allowed", "socks5")
+    registry = proxy.metrics.registry
+    labels = {"plane": "l7", "protocol": "socks5"}
+    assert registry.get_sample_value("egress_connections_total", labels) == 1
+    labels = {"decision": "deny", "reason": "not_allowed", "stage": "name", "plane": "l7"}
+    assert registry.get_sample_value("egress_decisions_total", labels) == 1
 
 
 @pytest.mark.asyncio
