@@ -1,10 +1,14 @@
-"""Suite-wide set-up: the tests never touch the developer's home directory (the inspection CA
-defaults to ~/.local/share/egress-proxy/ca, curl reads ~/.curlrc), for in-process code and the
-processes the tests start alike."""
+"""Suite-wide set-up and shared fixtures.
+
+The tests never touch the developer's home directory (the inspection CA defaults to
+~/.local/share/egress-proxy/ca, curl reads ~/.curlrc), for in-process code and the processes the
+tests start alike."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
 import tempfile
 from collections.abc import Iterator
 
@@ -23,3 +27,26 @@ def _isolated_home() -> Iterator[None]:
                 os.environ.pop("HOME", None)
             else:
                 os.environ["HOME"] = previous
+
+
+@pytest.fixture
+def resolved_by_os(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """socket.getaddrinfo fails on every name (numeric addresses still work) and records it:
+    a test using this proves no code path let mitmproxy or the OS resolve a name."""
+    real = socket.getaddrinfo
+    names: list[str] = []
+
+    def numeric_only(host, *args, **kwargs):  # type: ignore[no-untyped-def]
+        text = host.decode() if isinstance(host, bytes) else host
+        if text is not None:
+            try:
+                ipaddress.ip_address(str(text).split("%")[0])
+            except ValueError:
+                names.append(str(text))
+                raise socket.gaierror(
+                    socket.EAI_NONAME, f"test forbids resolving {text!r}"
+                ) from None
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", numeric_only)
+    return names

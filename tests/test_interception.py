@@ -82,7 +82,11 @@ def proxy_ca(tmp_path: Path) -> str:
 
 @pytest.mark.asyncio
 async def test_requests_inside_are_decided_one_by_one(
-    dns: DNSServer, tmp_path: Path, upstream_ca: trustme.CA, tls_upstream: Upstream
+    dns: DNSServer,
+    tmp_path: Path,
+    upstream_ca: trustme.CA,
+    tls_upstream: Upstream,
+    resolved_by_os: list[str],
 ) -> None:
     port = tls_upstream.port
     async with intercepting(dns, tmp_path, upstream_ca, port) as proxy:
@@ -102,6 +106,7 @@ async def test_requests_inside_are_decided_one_by_one(
         # Only the allowed request reached the upstream, with the name as its Host.
         assert tls_upstream.requests == [("GET /api/items HTTP/1.1", f"paths.test:{port}")]
         assert dns.count("paths.test", "A") == 1  # resolved once, at the CONNECT
+        assert resolved_by_os == []
         names = [
             (x["decision"], x["reason"], x["path"])
             for x in proxy.lines()

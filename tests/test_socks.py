@@ -15,7 +15,15 @@ import pytest
 import pytest_asyncio
 import trustme
 from dns_server import DNSServer, running_dns_server
-from test_engine import CURL, Running, Upstream, client_hello, closed_by_peer, serving, started
+from test_engine import (
+    CURL,
+    Running,
+    Upstream,
+    client_hello,
+    closed_by_peer,
+    serving,
+    started,
+)
 
 from proxy.cli import main
 from proxy.listen import Listener, parse_listener
@@ -69,7 +77,7 @@ async def socks_connect(
 
 @pytest.mark.asyncio
 async def test_allowed_name_passes_tls_through_with_the_real_certificate(
-    proxy: Running, tmp_path: Path
+    proxy: Running, tmp_path: Path, resolved_by_os: list[str]
 ) -> None:
     ca = trustme.CA()
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -94,6 +102,7 @@ async def test_allowed_name_passes_tls_through_with_the_real_certificate(
         assert process.returncode == 0, err
         assert out == b"hello from upstream\n"
         assert upstream.requests == [("GET / HTTP/1.1", f"tls.test:{upstream.port}")]
+    assert resolved_by_os == []
     allowed = [x for x in proxy.lines() if x["event"] == "decision" and x["stage"] == "sni"]
     assert [(x["decision"], x["protocol"], x["sni"]) for x in allowed] == [
         ("allow", "socks5", "tls.test")
