@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import socket
 import threading
 import time
@@ -47,12 +48,12 @@ class Upstream:
     requests: int = 0
 
 
-async def _serve(upstream: Upstream, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+async def _serve(
+    upstream: Upstream, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
     try:
         while True:
-            head = await reader.readuntil(b"\r\n\r\n")  # GETs only: no body follows
-            if not head:
-                return
+            await reader.readuntil(b"\r\n\r\n")  # GETs only: no body follows
             upstream.requests += 1
             writer.write(RESPONSE)
             await writer.drain()
@@ -229,4 +230,5 @@ def test_rss_growth_over_10000_requests_is_under_10_mb(tmp_path: Path) -> None:
     assert len(allowed) == 2 * total.allowed
     assert upstream.requests == total.allowed
     assert sum(line["bytes_down"] for line in closes) > total.allowed * len(BODY)
-    assert "Traceback" not in stderr and "failed" not in stderr, stderr
+    # No hook failed along the way (each logs "egress: <hook> failed" and denies).
+    assert "Traceback" not in stderr and not re.search(r"egress: \w+ failed", stderr), stderr
