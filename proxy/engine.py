@@ -406,11 +406,21 @@ class EgressAddon:
             )
         )
 
+    def _requested(self, client: Client, host: str | None, port: int | None, protocol: str) -> None:
+        """What the connection asked for last: its close line says so, denied or not."""
+        state = self._clients.get(client.id)
+        if state is not None and host is not None:
+            if (host, port) != (state.last_host, state.last_port):
+                state.pinned = None  # the pins of the previous destination are not this one's
+            state.last_host, state.last_port, state.protocol = host, port, protocol
+
     def _refusal(
         self, refused: Refused, client: Client, host: str, port: int | None, protocol: str, **ctx
     ) -> None:
         """Metrics and audit for a denial the policy core did not produce itself."""
         stage = ctx.pop("stage", "engine")
+        if stage != "upstream":
+            self._requested(client, host, port, protocol)
         if self.metrics is not None:
             self.metrics.decision(False, refused.reason, stage, "l7")
         self._event(
@@ -438,6 +448,7 @@ class EgressAddon:
         (also remembered for `server_connect`); raises Refused."""
         policy = self.policy  # one policy for the whole decision, even across a reload
         decision = policy.decide(target)
+        self._requested(client, decision.host or dial_host, port, protocol)
         self._record(decision, client, protocol, **ctx)
         if not decision.allowed:
             raise Refused(403, decision.reason, decision.message)
@@ -476,8 +487,7 @@ class EgressAddon:
         state = self._state(client)
         state.vetted[(dial_host, port)] = checked.pinned
         state.targets[(dial_host, port)] = target
-        state.last_host, state.last_port, state.pinned = host, port, checked.pinned
-        state.protocol = protocol
+        state.pinned = checked.pinned
         return decision, checked.pinned
 
     # -- hooks -------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import platform
 import signal
 import sys
@@ -126,6 +127,7 @@ class Runtime:
         self.session_id = session_id
         self.audit_path = audit_log
         self._err = err
+        self._log_handler: logging.Handler | None = None
         self.metrics = Metrics()
         self.readiness = Readiness()
         self.engine: Engine | None = None
@@ -144,6 +146,20 @@ class Runtime:
             err.write(printable(f"egress-proxy: {text}") + "\n")
             err.flush()
 
+    def _log_to_stderr(self) -> logging.Handler:
+        """Our modules' log records (a hook that failed and denied, with its traceback) on
+        stderr: mitmproxy's Master routes the root logger into its own event log, which no
+        addon here prints."""
+        handler = logging.StreamHandler(self._err or sys.stderr)
+        handler.setFormatter(
+            _PrintableFormatter("egress-proxy: %(levelname)s %(name)s: %(message)s")
+        )
+        handler.setLevel(logging.WARNING)
+        logger = logging.getLogger("proxy")
+        logger.addHandler(handler)
+        logger.propagate = False
+        return handler
+
     def warn_findings(self, policy: Policy) -> None:
         # Deploy-time ceiling findings: a lowered ceiling narrows the session, it does not stop it.
         for f in policy.findings:
@@ -153,6 +169,7 @@ class Runtime:
 
     async def run(self) -> int:
         config = self.compiled.config
+        self._log_handler = self._log_to_stderr()
         self.metrics.set_build_info(_version(), platform.python_version())
         self.readiness.set("policy_compiled", True)
         self.warn_findings(self.compiled.policy)
@@ -245,6 +262,8 @@ class Runtime:
                 await self.admin.stop()
         if self.audit is not None:
             self.audit.close()
+        if self._log_handler is not None:
+            logging.getLogger("proxy").removeHandler(self._log_handler)
 
     # -- reload --------------------------------------------------------------------------------
 
@@ -290,6 +309,13 @@ class Runtime:
                 f"{len(closed)} live connection(s) closed"
             )
             return True
+
+
+class _PrintableFormatter(logging.Formatter):
+    """Log lines (tracebacks included) can carry client text: escaped for the terminal."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return "\n".join(printable(line) for line in super().format(record).splitlines())
 
 
 def _listening(listeners: Sequence[Listener]) -> str:

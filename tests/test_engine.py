@@ -412,6 +412,12 @@ async def test_connect_denied(proxy: Running) -> None:
     )  # fmt: skip
     out, _ = await process.communicate()
     assert out == b"403"
+    # The close lines say what was asked for, though nothing was allowed.
+    closes = [x for x in proxy.lines() if x["event"] == "close"]
+    assert len(closes) == 2
+    assert {(x["host"], x["port"], x["protocol"], x["bytes_up"]) for x in closes} == {
+        ("denied.test", 443, "connect", 0)
+    }
 
 
 @pytest.mark.asyncio

@@ -3,6 +3,8 @@ reload (good and broken), SIGTERM drain, and the fail-closed start-up exits."""
 
 from __future__ import annotations
 
+import io
+import logging
 import re
 import signal
 import socket
@@ -23,6 +25,8 @@ from running import (
     make_config,
     wait_for,
 )
+
+from proxy.runtime import Runtime, compile_inputs, read_inputs
 
 MANIFEST = "network:\n  egress: [up.test, other.test]\n"
 CEILING = "tenant: test\negress: [up.test, other.test]\n"
@@ -178,3 +182,25 @@ def test_run_sigint_exits_0(tmp_path: Path, dns: DNSServer) -> None:
         assert "listening on" in proxy.stderr()
         proxy.send_signal(signal.SIGINT)
         assert proxy.wait_exit(timeout=8) == 0
+
+
+def test_a_failing_hook_is_reported_on_stderr(tmp_path: Path) -> None:
+    """mitmproxy routes the root logger into its own event log; a hook that failed (and denied)
+    must still reach the operator, escaped for the terminal."""
+    manifest = tmp_path / "agent.yaml"
+    manifest.write_text("network:\n  egress: [up.test]\n")
+    inputs = read_inputs(str(manifest))
+    err = io.StringIO()
+    runtime = Runtime(inputs, compile_inputs(inputs), listen=[], admin=("127.0.0.1", 0), err=err)
+    handler = runtime._log_to_stderr()
+    try:
+        try:
+            raise RuntimeError("boom \x1b[31m")
+        except RuntimeError:
+            logging.getLogger("proxy.engine").exception("egress: http_connect failed")
+    finally:
+        logging.getLogger("proxy").removeHandler(handler)
+    text = err.getvalue()
+    assert "egress-proxy: ERROR proxy.engine: egress: http_connect failed" in text
+    assert "RuntimeError: boom \\x1b[31m" in text
+    assert "\x1b" not in text
