@@ -52,7 +52,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from mitmproxy import http, options
+from mitmproxy import http, options, tcp
 from mitmproxy.addons import next_layer as mitm_next_layer
 from mitmproxy.addons import proxyserver, tlsconfig
 from mitmproxy.master import Master
@@ -61,6 +61,7 @@ from mitmproxy.net.http import url as mitm_url
 from mitmproxy.net.tls import starts_like_tls_record
 from mitmproxy.proxy import commands, events, layer, layers, mode_servers, mode_specs
 from mitmproxy.proxy import server as mitm_server
+from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.layers.http import _http1 as mitm_http1_layer
 from mitmproxy.proxy.layers.tls import parse_client_hello
 
@@ -81,7 +82,7 @@ from proxy.socks import (
 if TYPE_CHECKING:
     from mitmproxy.connection import Client
     from mitmproxy.proxy.server_hooks import ServerConnectionHookData
-    from mitmproxy.tls import TlsData
+    from mitmproxy.tls import ClientHelloData, TlsData
 
     from policy import AddressDecision, Decision, Policy
     from proxy.audit import AuditLog
@@ -726,9 +727,13 @@ class EgressAddon:
         equals the CONNECT host; then bytes pass through unmodified (no interception)."""
         context = nextlayer.context
         tunnel = self._tunnels.get(context.server.id) if context.server is not None else None
+        if tunnel is not None and tunnel.decided and tunnel.inspect and nextlayer.layer is None:
+            # Inside an intercepted tunnel only HTTP is spoken (each request decided): never
+            # raw TCP, whatever the client's first bytes or ALPN look like.
+            nextlayer.layer = layers.HttpLayer(context, HTTPMode.transparent)
+            return
         if tunnel is None or tunnel.decided or nextlayer.layer is not None:
-            # Not a tunnel of ours, or one past its gate (the HTTP inside an intercepted one):
-            # mitmproxy's NextLayer decides (see _GuardedNextLayer).
+            # Not a tunnel of ours: mitmproxy's NextLayer decides (see _GuardedNextLayer).
             return
         try:
             data = nextlayer.data_client()
@@ -811,12 +816,22 @@ class EgressAddon:
         tunnel = self._tunnels.get(server.id) if server is not None else None
         return tunnel is not None and not tunnel.decided
 
-    def websocket_message(self, flow: http.HTTPFlow) -> None:
-        # mitmproxy appends every WebSocket message to the flow; the relay has already taken
-        # its own reference, so dropping the list keeps a long-lived socket's memory flat.
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        # A 101 turns the connection into what it upgraded to; its close line says so.
         with contextlib.suppress(Exception):
-            if flow.websocket is not None:
-                flow.websocket.messages.clear()
+            response = flow.response
+            state = self._clients.get(flow.client_conn.id)
+            if response is not None and response.status_code == 101 and state is not None:
+                websocket = response.headers.get("upgrade", "").lower() == "websocket"
+                secure = state.protocol == "https"
+                state.protocol = ("wss" if secure else "ws") if websocket else "upgrade"
+
+    def tcp_message(self, flow: tcp.TCPFlow) -> None:
+        # After a 101 the connection is relayed as bytes (mitmproxy's TCPLayer), chunk by chunk
+        # as they arrive; the layer appends each chunk to the flow before sending it on, so the
+        # list is emptied here and a long-lived WebSocket keeps nothing.
+        with contextlib.suppress(Exception):
+            flow.messages.clear()
 
     def server_connect(self, data: ServerConnectionHookData) -> None:
         """Pin: dial a checked address; refuse anything our hooks did not vet."""
@@ -933,6 +948,19 @@ class EgressAddon:
         with contextlib.suppress(Exception):
             self._names.pop(data.server.id, None)
             self._tunnels.pop(data.server.id, None)
+
+
+class _ServerTlsFirst:
+    """After TlsConfig (which asks for server TLS first only under the eager strategy): when
+    the upstream is already connected (a SOCKS5 tunnel dials before its reply), its TLS is
+    established before the client's, as mitmproxy's ServerTLSLayer then expects."""
+
+    name = "egress-server-tls-first"
+
+    def tls_clienthello(self, data: ClientHelloData) -> None:
+        with contextlib.suppress(Exception):
+            if data.context.server.connected:
+                data.establish_server_tls_first = True
 
 
 class _GuardedNextLayer(mitm_next_layer.NextLayer):
@@ -1100,7 +1128,7 @@ class Engine:
             # Proxyserver's self-connect check; next_layer claims tunnels first).
             addons: list[Any] = [self.addon, server, _GuardedNextLayer(self.addon)]
             if inspect:
-                addons.append(tlsconfig.TlsConfig())
+                addons += [tlsconfig.TlsConfig(), _ServerTlsFirst()]
             master.addons.add(*addons)
             self.addon.can_inspect = inspect
             # Options of addons exist only once the addons are added. No Block, Onboarding or
@@ -1122,7 +1150,13 @@ class Engine:
                 connection_strategy="lazy",
                 stream_large_bodies=STREAM_LARGE_BODIES,
                 tcp_timeout=max(1, int(self.config.limits.idle_timeout)),
-                rawtcp=False,
+                # A 101 upgrade (WebSocket included) was decided as the request that opened it;
+                # after it the bytes are relayed as they come (TCPLayer) instead of as
+                # WebSocket messages, which mitmproxy joins in memory, fragment by fragment,
+                # without a bound. rawtcp only lets that relay exist: every context where
+                # mitmproxy could pick raw TCP by itself is decided by our next_layer first.
+                websocket=False,
+                rawtcp=True,
                 http3=False,
                 # Inside interception HTTP/1.1 only: every request then carries the Host header
                 # that the per-request check compares with the tunnel's host.

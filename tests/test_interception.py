@@ -5,7 +5,9 @@ test CA (trustme) for the upstream."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import socket
 import ssl
 import stat
 from collections.abc import AsyncIterator, Iterator
@@ -16,6 +18,7 @@ import pytest_asyncio
 import trustme
 from dns_server import DNSServer, running_dns_server
 from test_engine import (
+    CURL,
     DENIED_HEADER,
     Running,
     Upstream,
@@ -29,6 +32,7 @@ from test_engine import (
 
 from proxy.ca import ensure_ca
 from proxy.errors import ProxyError
+from proxy.listen import Listener
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +56,13 @@ def tls_context(ca: trustme.CA, *names: str) -> ssl.SSLContext:
 
 @contextlib.asynccontextmanager
 async def intercepting(
-    dns: DNSServer, tmp_path: Path, ca: trustme.CA, port: int, *, enabled: bool = True
+    dns: DNSServer,
+    tmp_path: Path,
+    ca: trustme.CA,
+    port: int,
+    *,
+    enabled: bool = True,
+    listeners: list[Listener] | None = None,
 ) -> AsyncIterator[Running]:
     bundle = tmp_path / "upstream-ca.pem"
     ca.cert_pem.write_to_path(str(bundle))
@@ -65,7 +75,9 @@ async def intercepting(
         f"inspection:\n  enabled: {'true' if enabled else 'false'}\n"
         f"  ca_dir: {tmp_path / 'ca'}\n  upstream_ca: {bundle}\n"
     )
-    async with started(dns, extra, manifest=manifest, source="agent.toml") as running:
+    async with started(
+        dns, extra, manifest=manifest, source="agent.toml", listeners=listeners
+    ) as running:
         yield running
 
 
@@ -277,3 +289,31 @@ def test_ca_problems_are_clear_errors(tmp_path: Path) -> None:
     blocker.write_text("x")
     with pytest.raises(ProxyError, match="cannot create the directory"):
         ensure_ca(blocker / "ca")
+
+
+@pytest.mark.asyncio
+async def test_socks5_tunnels_are_intercepted_too(
+    dns: DNSServer, tmp_path: Path, upstream_ca: trustme.CA, tls_upstream: Upstream
+) -> None:
+    port = tls_upstream.port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        socks_port = s.getsockname()[1]
+    listeners = [Listener("socks5", "127.0.0.1", socks_port)]
+    async with intercepting(dns, tmp_path, upstream_ca, port, listeners=listeners) as proxy:
+        statuses = []
+        for path in ("/api/items", "/admin"):
+            process = await asyncio.create_subprocess_exec(
+                CURL, "-s", "-o", "/dev/null", "-w", "%{http_code}", "--max-time", "5",
+                "--socks5-hostname", f"127.0.0.1:{socks_port}", "--cacert", proxy_ca(tmp_path),
+                f"https://paths.test:{port}{path}",
+                stdout=asyncio.subprocess.PIPE,
+            )  # fmt: skip
+            out, _ = await asyncio.wait_for(process.communicate(), 10)
+            statuses.append(out)
+        assert statuses == [b"200", b"403"]
+        assert tls_upstream.requests == [("GET /api/items HTTP/1.1", f"paths.test:{port}")]
+        assert {x["protocol"] for x in proxy.lines() if x["event"] == "decision"} == {
+            "socks5",
+            "https",
+        }

@@ -11,13 +11,15 @@ streams (no third-party WebSocket stack), loopback only, every wait bounded.
 
 The server answers every handshake with 101 and echoes each complete message (text as text,
 binary as binary); pings are answered by wsproto's pong. The client sends its upgrade request
-in absolute form (`GET http://host:port/path`), as a client of an explicit HTTP proxy does.
+in absolute form (`GET http://host:port/path`), as a client of an explicit HTTP proxy does, or
+(wss) in origin form inside TLS inside a CONNECT tunnel.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -53,12 +55,15 @@ class Handshake:
 
 @dataclass
 class EchoServer:
-    """Records handshakes, counts connections and messages, and the close codes it received."""
+    """Records handshakes, counts connections and messages, and the close codes it received.
+    With `discard`, message data is counted in `received` and dropped (nothing echoed)."""
 
+    discard: bool = False
     port: int = 0
     connections: int = 0
     handshakes: list[Handshake] = field(default_factory=list)
     messages: int = 0  # complete messages received (and echoed)
+    received: int = 0  # bytes of message data received
     close_codes: list[int] = field(default_factory=list)
     _writers: set[asyncio.StreamWriter] = field(default_factory=set)
 
@@ -76,6 +81,10 @@ class EchoServer:
                         self.handshakes.append(Handshake(event.host, event.target))
                         writer.write(ws.send(AcceptConnection()))
                     elif isinstance(event, Message):
+                        self.received += len(event.data)
+                        if self.discard:
+                            self.messages += event.message_finished
+                            continue
                         parts.append(event.data)
                         if event.message_finished:
                             reply: Message = (
@@ -107,9 +116,12 @@ class EchoServer:
 
 
 @contextlib.asynccontextmanager
-async def serving_echo(host: str = LOOPBACK) -> AsyncIterator[EchoServer]:
-    echo = EchoServer()
-    server = await asyncio.start_server(echo.handle, host, 0)
+async def serving_echo(
+    host: str = LOOPBACK, *, discard: bool = False, tls: ssl.SSLContext | None = None
+) -> AsyncIterator[EchoServer]:
+    """An echo server on a random port of `host`; with `tls`, wss (TLS with that context)."""
+    echo = EchoServer(discard=discard)
+    server = await asyncio.start_server(echo.handle, host, 0, ssl=tls)
     echo.port = server.sockets[0].getsockname()[1]
     try:
         yield echo
@@ -150,6 +162,29 @@ class WSClient:
         client = cls(reader, writer)
         target = f"http://{authority}{path}"
         return client, await client.handshake(Request(host=host or authority, target=target))
+
+    @classmethod
+    async def through_tunnel(
+        cls, proxy_port: int, host: str, port: int, path: str, tls: ssl.SSLContext
+    ) -> tuple[WSClient, Answer]:
+        """wss through the proxy: `CONNECT host:port`, TLS with `tls` (server name `host`)
+        inside the tunnel, then the upgrade in origin form. A refused CONNECT is the answer."""
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(LOOPBACK, proxy_port), TIMEOUT
+        )
+        authority = f"{host}:{port}"
+        writer.write(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), TIMEOUT)
+        line, *lines = head.decode("latin-1").split("\r\n")
+        if line.split()[1] != "200":
+            writer.close()
+            headers = {
+                k.strip().lower(): v.strip() for k, _, v in (x.partition(":") for x in lines if x)
+            }
+            return cls(reader, writer), Answer(int(line.split()[1]), headers, b"", line.encode())
+        await asyncio.wait_for(writer.start_tls(tls, server_hostname=host), TIMEOUT)
+        client = cls(reader, writer)
+        return client, await client.handshake(Request(host=authority, target=path))
 
     async def handshake(self, request: Request) -> Answer:
         await self._write(self.ws.send(request))
