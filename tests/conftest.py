@@ -13,6 +13,7 @@ import tempfile
 from collections.abc import Iterator
 
 import pytest
+from dns_server import DNSServer, running_dns_server
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -50,3 +51,11 @@ def resolved_by_os(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     monkeypatch.setattr(socket, "getaddrinfo", numeric_only)
     return names
+
+
+@pytest.fixture
+def dns() -> Iterator[DNSServer]:
+    """A DNS server of the test's own on 127.0.0.1 (tests/dns_server.py); modules that want
+    names preset override this fixture and ask for it by the same name."""
+    with running_dns_server() as server:
+        yield server

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import pytest_asyncio
-from dns_server import DNSServer, running_dns_server
+from dns_server import DNSServer
 
 from policy import compile_policy, load_manifest
 from proxy.audit import AuditLog
@@ -101,12 +101,6 @@ class Running:
 # One inspection CA for the module (made on first use, removed at exit): a 2048-bit key per
 # engine start would cost more than most tests here.
 CA_DIR = tempfile.TemporaryDirectory(prefix="egress-ca-")
-
-
-@pytest.fixture
-def dns() -> Iterator[DNSServer]:
-    with running_dns_server() as server:
-        yield server
 
 
 @contextlib.asynccontextmanager

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from dns_server import DNSServer, running_dns_server
+from dns_server import DNSServer
 from running import (
     HTTPUpstream,
     RunningProxy,
@@ -40,11 +40,10 @@ def upstream() -> Iterator[HTTPUpstream]:
 
 
 @pytest.fixture
-def dns() -> Iterator[DNSServer]:
-    with running_dns_server() as server:
-        server.set("up.test", a=["127.0.0.1"])
-        server.set("other.test", a=["127.0.0.1"])
-        yield server
+def dns(dns: DNSServer) -> DNSServer:
+    dns.set("up.test", a=["127.0.0.1"])
+    dns.set("other.test", a=["127.0.0.1"])
+    return dns
 
 
 def test_run_serves_reloads_and_drains(

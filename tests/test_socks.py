@@ -8,13 +8,13 @@ import asyncio
 import socket
 import ssl
 import struct
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
 import trustme
-from dns_server import DNSServer, running_dns_server
+from dns_server import DNSServer
 from test_engine import (
     CURL,
     Running,
@@ -30,12 +30,11 @@ from proxy.listen import Listener, parse_listener
 
 
 @pytest.fixture
-def dns() -> Iterator[DNSServer]:
-    with running_dns_server() as server:
-        server.set("tls.test", a=["127.0.0.1"])
-        server.set("up.test", a=["127.0.0.1"])
-        server.set("private.test", a=["10.0.0.1"])
-        yield server
+def dns(dns: DNSServer) -> DNSServer:
+    dns.set("tls.test", a=["127.0.0.1"])
+    dns.set("up.test", a=["127.0.0.1"])
+    dns.set("private.test", a=["10.0.0.1"])
+    return dns
 
 
 @pytest_asyncio.fixture
@@ -55,6 +54,18 @@ def free_port() -> int:
 def socks_port(proxy: Running) -> int:
     (socks,) = [x for x in proxy.engine.listeners if x.scheme == "socks5"]
     return socks.port
+
+
+async def curl_socks(port: int, url: str, *args: str) -> tuple[int, bytes, bytes]:
+    """curl through the SOCKS5 listener on `port`, names resolved by the proxy (socks5h):
+    exit code, stdout, stderr."""
+    process = await asyncio.create_subprocess_exec(
+        CURL, "-sS", "--max-time", "5", "--socks5-hostname", f"127.0.0.1:{port}", *args, url,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(process.communicate(), 10)
+    return process.returncode or 0, out, err
 
 
 async def socks_connect(
@@ -85,21 +96,10 @@ async def test_allowed_name_passes_tls_through_with_the_real_certificate(
     bundle = tmp_path / "ca.pem"
     ca.cert_pem.write_to_path(str(bundle))
     async with serving(Upstream(), context) as upstream:
-        process = await asyncio.create_subprocess_exec(
-            CURL,
-            "-sS",
-            "--max-time",
-            "5",
-            "--socks5-hostname",
-            f"127.0.0.1:{socks_port(proxy)}",
-            "--cacert",
-            str(bundle),
-            f"https://tls.test:{upstream.port}/",
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
+        code, out, err = await curl_socks(
+            socks_port(proxy), f"https://tls.test:{upstream.port}/", "--cacert", str(bundle)
         )
-        out, err = await asyncio.wait_for(process.communicate(), 10)
-        assert process.returncode == 0, err
+        assert code == 0, err
         assert out == b"hello from upstream\n"
         assert upstream.requests == [("GET / HTTP/1.1", f"tls.test:{upstream.port}")]
     assert resolved_by_os == []
@@ -126,19 +126,8 @@ async def test_denied_name_is_reply_2_and_never_resolved(proxy: Running) -> None
 
 @pytest.mark.asyncio
 async def test_curl_reports_the_refusal(proxy: Running) -> None:
-    process = await asyncio.create_subprocess_exec(
-        CURL,
-        "-sS",
-        "--max-time",
-        "5",
-        "--socks5-hostname",
-        f"127.0.0.1:{socks_port(proxy)}",
-        "https://denied.test/",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    _, err = await asyncio.wait_for(process.communicate(), 10)
-    assert process.returncode == 97  # CURLE_PROXY: the SOCKS proxy refused
+    code, _, err = await curl_socks(socks_port(proxy), "https://denied.test/")
+    assert code == 97  # CURLE_PROXY: the SOCKS proxy refused
     assert b"not allowed" in err.lower() or b"(2)" in err
 
 

@@ -11,13 +11,13 @@ import contextlib
 import gc
 import ssl
 import tracemalloc
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
 import trustme
-from dns_server import DNSServer, running_dns_server
+from dns_server import DNSServer
 from mitmproxy import tcp
 from mitmproxy.tcp import TCPMessage
 from mitmproxy.websocket import WebSocketMessage
@@ -29,12 +29,6 @@ from policy import compile_policy, load_manifest
 from proxy.engine import DENIED_HEADER
 
 MANIFEST = "network:\n  egress: [ws.test, private.test]\n"
-
-
-@pytest.fixture
-def dns() -> Iterator[DNSServer]:
-    with running_dns_server() as server:
-        yield server
 
 
 @pytest_asyncio.fixture
