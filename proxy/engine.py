@@ -105,6 +105,7 @@ UPSTREAM_REFUSED = "upstream_refused"
 UPSTREAM_TIMEOUT = "upstream_timeout"
 UPSTREAM_TLS = "upstream_tls"  # an inspected upstream's certificate failed verification
 OVERLOAD = "overload"
+HEADER_TIMEOUT = "header_timeout"
 POLICY_RELOAD = "policy_reload"
 INTERNAL_ERROR = d.INTERNAL_ERROR
 
@@ -187,6 +188,9 @@ class _ClientState:
     inspected: set[tuple[str, int]] = field(default_factory=set)  # keys of intercepted tunnels
     counted: _Bytes = field(default_factory=lambda: _Bytes())
     close_reason: str = "closed"
+    # Closes the connection unless its request head (or its tunnel's ClientHello) arrives in
+    # time: limits.header_timeout, against clients that open connections and say nothing.
+    head_timer: asyncio.TimerHandle | None = None
 
 
 class _CloseClient(layer.Layer):
@@ -362,6 +366,7 @@ class EgressAddon:
         *,
         connect_timeout: float = 10.0,
         max_connections: int | None = None,
+        header_timeout: float | None = None,
     ) -> None:
         self.policy = policy
         self.resolver = resolver
@@ -369,6 +374,7 @@ class EgressAddon:
         self.audit = audit
         self.connect_timeout = connect_timeout
         self.max_connections = max_connections
+        self.header_timeout = header_timeout
         self.can_inspect = False  # set by Engine.start when mitmproxy's TlsConfig is loaded
         self._dials: dict[asyncio.Task[Any], _Dial] = {}  # keyed by the dialling task
         self._rejected: set[str] = set()  # client ids refused for overload
@@ -498,13 +504,50 @@ class EgressAddon:
             if self.max_connections is not None and len(self._clients) >= self.max_connections:
                 self._reject_overload(client)
                 return
-            self._state(client)
+            self._arm_head_timer(client)
             if self.metrics is not None:
                 socks = isinstance(client.proxy_mode, mode_specs.Socks5Mode)
                 self.metrics.connection_opened("l7", "socks5" if socks else "http")
         except Exception:
             logger.exception("egress: client_connected failed")
             client.error = "egress-proxy: internal error"
+
+    def _arm_head_timer(self, client: Client) -> None:
+        """(Re)start the wait for what the client must send next: its first request head, or
+        the ClientHello of the tunnel it just opened."""
+        state = self._state(client)
+        self._disarm_head_timer(state)
+        if self.header_timeout is not None:
+            with contextlib.suppress(RuntimeError):  # no running loop: hooks called directly
+                state.head_timer = asyncio.get_running_loop().call_later(
+                    self.header_timeout, self._head_timed_out, client
+                )
+
+    @staticmethod
+    def _disarm_head_timer(state: _ClientState | None) -> None:
+        if state is not None and state.head_timer is not None:
+            state.head_timer.cancel()
+            state.head_timer = None
+
+    def _head_timed_out(self, client: Client) -> None:
+        try:
+            state = self._clients.get(client.id)
+            if state is None:
+                return
+            state.head_timer = None
+            state.close_reason = HEADER_TIMEOUT
+            waited = f"{self.header_timeout:g}s"
+            what = "ClientHello" if state.tunnels else "request head"
+            refused = Refused(408, HEADER_TIMEOUT, f"no {what} within {waited}")
+            self._refusal(refused, client, state.last_host, state.last_port, state.protocol,
+                          stage="accept")  # fmt: skip
+            if not state.tunnels and not state.targets:
+                # Nothing was answered on this connection yet: an HTTP client gets a 408.
+                _write_to_client(client, _deny_response(408, "proxy", None, HEADER_TIMEOUT))
+            _close_client(client.id, "egress-proxy: header timeout")
+        except Exception:
+            logger.exception("egress: header timeout failed")
+            _close_client(client.id, "egress-proxy: header timeout")
 
     def _reject_overload(self, client: Client) -> None:
         """More than limits.max_connections live client connections: answer 503 at once,
@@ -515,13 +558,7 @@ class EgressAddon:
         client.error = "egress-proxy: overload"
         refused = Refused(503, OVERLOAD, "too many connections", error=True)
         self._refusal(refused, client, None, None, "http", stage="accept")
-        server = _running.master.addons.get("proxyserver") if _running and _running.master else None
-        handler = server.connections.get(client.id) if server is not None else None
-        io = handler.transports.get(client) if handler is not None else None
-        if io is not None and io.writer is not None:
-            response = _deny_response(503, "proxy", None, OVERLOAD, error=True)
-            response.headers["Connection"] = "close"
-            io.writer.write(mitm_http1.assemble_response(response))
+        _write_to_client(client, _deny_response(503, "proxy", None, OVERLOAD, error=True))
 
     def client_disconnected(self, client: Client) -> None:
         try:
@@ -529,6 +566,7 @@ class EgressAddon:
                 self._rejected.discard(client.id)
                 return
             state = self._clients.pop(client.id, None)
+            self._disarm_head_timer(state)
             for server_id in state.tunnels if state is not None else ():
                 self._tunnels.pop(server_id, None)
                 self._names.pop(server_id, None)
@@ -561,6 +599,7 @@ class EgressAddon:
         client = flow.client_conn
         host, port = flow.request.host, flow.request.port
         try:
+            self._disarm_head_timer(self._clients.get(client.id))
             decision, _ = await self._vet(
                 _authority(host, port), host, port, client, "connect", method="CONNECT"
             )
@@ -571,6 +610,7 @@ class EgressAddon:
             state.tunnels.append(flow.server_conn.id)
             if decision.needs_inspection:
                 state.inspected.add((host, port))
+            self._arm_head_timer(client)  # now for the ClientHello
         except Refused as refused:
             flow.response = _deny_response(
                 refused.status, host, port, refused.reason, error=refused.error
@@ -585,6 +625,7 @@ class EgressAddon:
         client = context.client
         host, port = context.server.address or ("", 0)
         try:
+            self._disarm_head_timer(self._clients.get(client.id))
             decision, _ = await self._vet(_authority(host, port), host, port, client, "socks5")
             self._tunnels[context.server.id] = _Tunnel(
                 decision.host,
@@ -597,6 +638,7 @@ class EgressAddon:
             state.tunnels.append(context.server.id)
             if decision.needs_inspection:
                 state.inspected.add((host, port))
+            self._arm_head_timer(client)  # now for the ClientHello
         except Refused as refused:
             request.reply = NOT_ALLOWED if refused.status == 403 else HOST_UNREACHABLE
             request.message = f"egress-proxy: {refused.reason}: {refused.message}"
@@ -616,6 +658,7 @@ class EgressAddon:
             if request.method == "CONNECT":  # not called for CONNECT; be sure anyway
                 raise Refused(403, INTERNAL_ERROR, "unexpected CONNECT")
             ctx = {"method": request.method, "path": request.path}
+            self._disarm_head_timer(self._clients.get(client.id))
             tunnel = self._tunnels.get(flow.server_conn.id)
             if tunnel is not None:
                 # A request inside an intercepted tunnel: it may only go where the tunnel goes.
@@ -766,6 +809,7 @@ class EgressAddon:
                         )
             tunnel.decided = True
             state = self._state(context.client)
+            self._disarm_head_timer(state)
             state.sni = sni
             if refused is not None:
                 self._refusal(
@@ -978,6 +1022,29 @@ class _GuardedNextLayer(mitm_next_layer.NextLayer):
         super().next_layer(nextlayer)
 
 
+def _connection_handler(client_id: str) -> Any:
+    """mitmproxy's handler of one live client connection of the running engine, or None."""
+    master = _running.master if _running is not None else None
+    server = master.addons.get("proxyserver") if master is not None else None
+    return server.connections.get(client_id) if server is not None else None
+
+
+def _write_to_client(client: Client, response: http.Response) -> None:
+    """Best effort, outside mitmproxy's layers: a response to a client about to be closed."""
+    handler = _connection_handler(client.id)
+    io = handler.transports.get(client) if handler is not None else None
+    if io is not None and io.writer is not None:
+        response.headers["Connection"] = "close"
+        io.writer.write(mitm_http1.assemble_response(response))
+
+
+def _close_client(client_id: str, why: str) -> None:
+    handler = _connection_handler(client_id)
+    for io in list(handler.transports.values()) if handler is not None else ():
+        if io.handler is not None:
+            io.handler.cancel(why)
+
+
 _original_socks5_layer = mode_servers.Socks5Instance.make_top_layer
 
 
@@ -1045,6 +1112,7 @@ class Engine:
             audit,
             connect_timeout=config.limits.connect_timeout,
             max_connections=config.limits.max_connections,
+            header_timeout=config.limits.header_timeout,
         )
         self.master: Master | None = None
         self.address: tuple[str, int] | None = None
@@ -1073,8 +1141,6 @@ class Engine:
         decided before, address stage on its checked addresses). Returns the ids closed."""
         self.addon.policy = policy
         closed: list[str] = []
-        master = self.master
-        server = master.addons.get("proxyserver") if master is not None else None
         for client_id, state in list(self.addon._clients.items()):
             try:
                 denied = any(
@@ -1090,10 +1156,7 @@ class Engine:
                 continue
             state.close_reason = POLICY_RELOAD
             closed.append(client_id)
-            handler = server.connections.get(client_id) if server is not None else None
-            for io in list(handler.transports.values()) if handler is not None else ():
-                if io.handler is not None:
-                    io.handler.cancel("egress-proxy: denied by the reloaded policy")
+            _close_client(client_id, "egress-proxy: denied by the reloaded policy")
         return closed
 
     async def start(

@@ -808,3 +808,40 @@ async def test_overload_answers_503_to_the_excess(dns: DNSServer) -> None:
             proxy.dns.set("up.test", a=["127.0.0.1"])
             assert (await curl(proxy, f"http://up.test:{upstream.port}/"))[0] == 200
         held[1][1].close()
+
+
+@pytest.mark.asyncio
+async def test_header_timeout_closes_silent_clients(dns: DNSServer) -> None:
+    async with (
+        serving(Upstream(raw=True)) as upstream,
+        started(dns, "limits:\n  header_timeout: 1s\n") as proxy,
+    ):
+        dns.set("tls.test", a=["127.0.0.1"])
+        # Connects and says nothing: 408, then closed.
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        answer = await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 408 ")
+        assert b"X-Egress-Denied: header_timeout" in answer
+        # An allowed CONNECT whose ClientHello never comes: closed, nothing dialled.
+        status, _, reader, writer = await connect(proxy, f"tls.test:{upstream.port}")
+        assert status == 200
+        assert await closed_by_peer(reader)
+        writer.close()
+        assert upstream.connections == 0
+        # A client that asks in time keeps its connection past the timeout (idle is not silent).
+        async with serving(Upstream()) as web:
+            dns.set("up.test", a=["127.0.0.1"])
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            request = f"GET http://up.test:{web.port}/ HTTP/1.1\r\nHost: up.test:{web.port}\r\n\r\n"
+            for _ in range(2):
+                writer.write(request.encode())
+                head = await asyncio.wait_for(reader.readuntil(b"hello from upstream\n"), 5)
+                assert head.startswith(b"HTTP/1.1 200 ")
+                await asyncio.sleep(1.5)
+            writer.close()
+        await asyncio.sleep(0.1)
+    denials = [x for x in proxy.lines() if x["reason"] == "header_timeout"]
+    assert [x["event"] for x in denials] == ["decision", "close", "decision", "close"]
+    assert denials[2]["host"] == "tls.test"
+    assert "ClientHello" in denials[2]["message"]
