@@ -191,6 +191,7 @@ class _ClientState:
     # Closes the connection unless its request head (or its tunnel's ClientHello) arrives in
     # time: limits.header_timeout, against clients that open connections and say nothing.
     head_timer: asyncio.TimerHandle | None = None
+    awaiting: str = "request head"  # what the timer waits for, for the message
 
 
 class _CloseClient(layer.Layer):
@@ -512,11 +513,12 @@ class EgressAddon:
             logger.exception("egress: client_connected failed")
             client.error = "egress-proxy: internal error"
 
-    def _arm_head_timer(self, client: Client) -> None:
-        """(Re)start the wait for what the client must send next: its first request head, or
-        the ClientHello of the tunnel it just opened."""
+    def _arm_head_timer(self, client: Client, awaiting: str = "request head") -> None:
+        """(Re)start the wait for what the client must send next: its first request head, the
+        ClientHello of the tunnel it just opened, or the first request head inside it."""
         state = self._state(client)
         self._disarm_head_timer(state)
+        state.awaiting = awaiting
         if self.header_timeout is not None:
             with contextlib.suppress(RuntimeError):  # no running loop: hooks called directly
                 state.head_timer = asyncio.get_running_loop().call_later(
@@ -537,8 +539,7 @@ class EgressAddon:
             state.head_timer = None
             state.close_reason = HEADER_TIMEOUT
             waited = f"{self.header_timeout:g}s"
-            what = "ClientHello" if state.tunnels else "request head"
-            refused = Refused(408, HEADER_TIMEOUT, f"no {what} within {waited}")
+            refused = Refused(408, HEADER_TIMEOUT, f"no {state.awaiting} within {waited}")
             self._refusal(refused, client, state.last_host, state.last_port, state.protocol,
                           stage="accept")  # fmt: skip
             if not state.tunnels and not state.targets:
@@ -610,7 +611,7 @@ class EgressAddon:
             state.tunnels.append(flow.server_conn.id)
             if decision.needs_inspection:
                 state.inspected.add((host, port))
-            self._arm_head_timer(client)  # now for the ClientHello
+            self._arm_head_timer(client, "ClientHello")
         except Refused as refused:
             flow.response = _deny_response(
                 refused.status, host, port, refused.reason, error=refused.error
@@ -638,7 +639,7 @@ class EgressAddon:
             state.tunnels.append(context.server.id)
             if decision.needs_inspection:
                 state.inspected.add((host, port))
-            self._arm_head_timer(client)  # now for the ClientHello
+            self._arm_head_timer(client, "ClientHello")
         except Refused as refused:
             request.reply = NOT_ALLOWED if refused.status == 403 else HOST_UNREACHABLE
             request.message = f"egress-proxy: {refused.reason}: {refused.message}"
@@ -766,19 +767,26 @@ class EgressAddon:
             flow.kill()
 
     def next_layer(self, nextlayer: layer.NextLayer) -> None:
-        """The SNI gate of an allowed tunnel: the first bytes must be a ClientHello whose SNI
-        equals the CONNECT host; then bytes pass through unmodified (no interception)."""
+        """The layers of our tunnels (CONNECT and SOCKS5), chosen here alone: first the SNI
+        gate (the first bytes must be a ClientHello whose SNI equals the tunnel's host), then
+        either bytes passed through unmodified or, for hosts with path rules, interception with
+        only HTTP inside. Other contexts are mitmproxy's NextLayer's (see _GuardedNextLayer)."""
         context = nextlayer.context
-        tunnel = self._tunnels.get(context.server.id) if context.server is not None else None
-        if tunnel is not None and tunnel.decided and tunnel.inspect and nextlayer.layer is None:
-            # Inside an intercepted tunnel only HTTP is spoken (each request decided): never
-            # raw TCP, whatever the client's first bytes or ALPN look like.
-            nextlayer.layer = layers.HttpLayer(context, HTTPMode.transparent)
-            return
-        if tunnel is None or tunnel.decided or nextlayer.layer is not None:
-            # Not a tunnel of ours: mitmproxy's NextLayer decides (see _GuardedNextLayer).
-            return
+        tunnel = None
         try:
+            tunnel = self._tunnels.get(context.server.id) if context.server is not None else None
+            if tunnel is None or nextlayer.layer is not None:
+                return
+            if tunnel.decided:
+                # Past the gate, only an intercepted tunnel asks again (for what its TLS
+                # carries): HTTP, each request decided; never raw TCP, whatever the client's
+                # first bytes or ALPN look like.
+                nextlayer.layer = (
+                    layers.HttpLayer(context, HTTPMode.transparent)
+                    if tunnel.inspect
+                    else _CloseClient(context)
+                )
+                return
             data = nextlayer.data_client()
             if not data:
                 return  # nothing yet: decide on the first bytes
@@ -841,7 +849,9 @@ class EgressAddon:
             )
             if tunnel.inspect:
                 # Intercept: our CA's certificate to the client, a verified TLS connection to
-                # the pinned upstream; the HTTP inside is decided per request.
+                # the pinned upstream; the HTTP inside is decided per request, and its first
+                # head must come within header_timeout too.
+                self._arm_head_timer(context.client)
                 server_tls = layers.ServerTLSLayer(context)
                 server_tls.child_layer = layers.ClientTLSLayer(context)
                 nextlayer.layer = server_tls
@@ -850,15 +860,18 @@ class EgressAddon:
         except Exception:
             logger.exception("egress: next_layer failed")
             with contextlib.suppress(Exception):
-                tunnel.decided = True
+                if tunnel is not None:
+                    tunnel.decided = True
                 nextlayer.layer = _CloseClient(context)
 
     def claims(self, nextlayer: layer.NextLayer) -> bool:
-        """True when the layer decision of this context is ours alone (a tunnel before its SNI
-        gate has decided)."""
-        server = nextlayer.context.server
-        tunnel = self._tunnels.get(server.id) if server is not None else None
-        return tunnel is not None and not tunnel.decided
+        """True when the layer decision of this context is ours alone (one of our tunnels), and
+        True when that cannot be told (fail closed: mitmproxy's NextLayer could pick raw TCP)."""
+        try:
+            server = nextlayer.context.server
+            return server is not None and server.id in self._tunnels
+        except Exception:
+            return True
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         # A 101 turns the connection into what it upgraded to; its close line says so.

@@ -5,6 +5,7 @@ test CA (trustme) for the upstream."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import ssl
@@ -307,3 +308,23 @@ async def test_socks5_tunnels_are_intercepted_too(
             "socks5",
             "https",
         }
+
+
+@pytest.mark.asyncio
+async def test_only_http_is_spoken_inside_interception(
+    dns: DNSServer, tmp_path: Path, upstream_ca: trustme.CA, tls_upstream: Upstream
+) -> None:
+    # A client that completes TLS and then speaks something else gets an HTTP error, never a
+    # raw byte relay to a host whose rules are per path.
+    port = tls_upstream.port
+    async with intercepting(dns, tmp_path, upstream_ca, port) as proxy:
+        status, _, reader, writer = await connect(proxy, f"paths.test:{port}")
+        assert status == 200
+        client_tls = ssl.create_default_context(cafile=proxy_ca(tmp_path))
+        await writer.start_tls(client_tls, server_hostname="paths.test")
+        writer.write(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 400 "), answer
+        assert tls_upstream.connections == 0
