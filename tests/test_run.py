@@ -8,12 +8,16 @@ import logging
 import re
 import signal
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from dns_server import DNSServer
+from running import (
+    CURL as CURL_BIN,
+)
 from running import (
     HTTPUpstream,
     RunningProxy,
@@ -203,3 +207,57 @@ def test_a_failing_hook_is_reported_on_stderr(tmp_path: Path) -> None:
     assert "egress-proxy: ERROR proxy.engine: egress: http_connect failed" in text
     assert "RuntimeError: boom \\x1b[31m" in text
     assert "\x1b" not in text
+
+
+def test_run_creates_the_inspection_ca_and_says_how_to_trust_it(
+    tmp_path: Path, dns: DNSServer
+) -> None:
+    ca_dir = tmp_path / "ca"
+    extra = f"inspection:\n  ca_dir: {ca_dir}\n"
+    with RunningProxy(tmp_path / "one", MANIFEST, dns=dns, config_extra=extra) as proxy:
+        cert = ca_dir / "mitmproxy-ca-cert.pem"
+        assert f"TLS inspection CA {cert} (created now)" in proxy.stderr()
+        assert f"curl --cacert {cert}" in proxy.stderr()
+        first = cert.read_bytes()
+    # The next start uses the same CA.
+    with RunningProxy(tmp_path / "two", MANIFEST, dns=dns, config_extra=extra) as proxy:
+        assert f"TLS inspection CA {cert} (existing)" in proxy.stderr()
+        assert cert.read_bytes() == first
+
+
+def test_run_ca_problem_exits_2_before_listening(tmp_path: Path, dns: DNSServer) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("x")
+    port, admin = free_port(), free_port()
+    proxy = RunningProxy(
+        tmp_path / "run",
+        MANIFEST,
+        dns=dns,
+        config_extra=f"inspection:\n  ca_dir: {blocker / 'ca'}\n",
+        listen=f"127.0.0.1:{port}",
+        admin=f"127.0.0.1:{admin}",
+        wait=False,
+    )
+    with proxy:
+        assert proxy.wait_exit(timeout=20) == 2
+    assert not listening(port) and not listening(admin)
+    assert "inspection CA in" in proxy.stderr() and "cannot create the directory" in proxy.stderr()
+
+
+def test_run_serves_socks5_beside_http(tmp_path: Path, dns: DNSServer) -> None:
+    socks = free_port()
+    proxy = RunningProxy(
+        tmp_path, MANIFEST, dns=dns, args=("--listen", f"socks5://127.0.0.1:{socks}")
+    )
+    with proxy:
+        assert f"and socks5://127.0.0.1:{socks} (admin" in proxy.stderr()
+        result = subprocess.run(
+            [CURL_BIN, "-sS", "--max-time", "5", "--socks5-hostname", f"127.0.0.1:{socks}",
+             "https://denied.test/"],
+            capture_output=True, timeout=15,
+        )  # fmt: skip
+        assert result.returncode == 97  # the SOCKS5 proxy refused (reply 2)
+        assert dns.count("denied.test") == 0
+        assert any(
+            x["protocol"] == "socks5" and x["reason"] == "not_allowed" for x in proxy.decisions()
+        )
