@@ -17,6 +17,16 @@ enforces (DESIGN 3):
   connection is opened.
 - Plain HTTP (`requestheaders`): the same per request, on the URL, and the Host header must
   match the request's authority.
+- Hosts with path rules (`needs_inspection`): the tunnel passes the same SNI gate, then TLS is
+  intercepted (mitmproxy's TlsConfig with our CA, proxy/ca.py; upstream certificates verified
+  against the name, 502 `upstream_tls` otherwise) and every request inside is decided on its
+  own, with the Host header and the tunnel's host compared; only HTTP is spoken inside.
+- SOCKS5 listeners (`egress_socks_connect`, proxy/socks.py): decided like a CONNECT before the
+  SOCKS reply, dialled before it too, then the same SNI gate.
+- A 101 upgrade (WebSocket) is decided as the request that opens it; after it the bytes are
+  relayed as they come and nothing is kept.
+- `limits.header_timeout`: the first request head, and a tunnel's ClientHello, must come in
+  time (408 / closed).
 - `server_connect`: the connection goes to a checked address (mitmproxy then does no DNS);
   anything our hooks did not vet is refused. The dial itself is ours (`_open_connection`, put
   in place of `asyncio.open_connection` inside mitmproxy.proxy.server while an engine runs):
@@ -481,8 +491,9 @@ class EgressAddon:
             except ProxyError as exc:
                 if self.metrics is not None:
                     self.metrics.dns_lookup(time.monotonic() - started, exc.reason)
-                status = 504 if exc.reason == "dns_timeout" else 502
-                refused = Refused(status, exc.reason, exc.message, error=True)
+                # Every DNS failure, a timeout included, is a 502 (DESIGN 3.6); 504 is kept
+                # for an upstream that does not answer the connect.
+                refused = Refused(502, exc.reason, exc.message, error=True)
                 self._refusal(refused, client, host, port, protocol, stage="dns", **ctx)
                 raise refused from None
             if self.metrics is not None:
