@@ -75,12 +75,32 @@ from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.layers.http import _http1 as mitm_http1_layer
 from mitmproxy.proxy.layers.tls import parse_client_hello
 
-from policy import decisions as d
-from policy.hostnames import normalize_host, parse_ip_literal
-from proxy.audit import CloseEvent, DecisionEvent
+from proxy.audit import CloseEvent
 from proxy.ca import CertificateAuthority, check_upstream_ca, ensure_ca
+from proxy.dialing import UpstreamError, dial_checked
 from proxy.errors import ProxyError
 from proxy.listen import Listener
+from proxy.refusals import (
+    DENIED_HEADER,
+    ERROR_HEADER,
+    HEADER_TIMEOUT,
+    HOST_MISMATCH,
+    INTERNAL_ERROR,
+    INVALID_CLIENT_HELLO,
+    NOT_TLS,
+    NOT_VETTED,
+    OVERLOAD,
+    POLICY_RELOAD,
+    SNI_MISMATCH,
+    SNI_MISSING,
+    UNSUPPORTED_SCHEME,
+    UPSTREAM_TIMEOUT,
+    UPSTREAM_TLS,
+    Refused,
+    authority,
+    refusal_parts,
+    shown,
+)
 from proxy.socks import (
     GENERAL_FAILURE,
     HOST_UNREACHABLE,
@@ -88,13 +108,14 @@ from proxy.socks import (
     EgressSocks5,
     SocksRequest,
 )
+from proxy.vetting import Peer, Vetter, canonical_host
 
 if TYPE_CHECKING:
     from mitmproxy.connection import Client
     from mitmproxy.proxy.server_hooks import ServerConnectionHookData
     from mitmproxy.tls import ClientHelloData, TlsData
 
-    from policy import AddressDecision, Decision, Policy
+    from policy import Decision, Policy
     from proxy.audit import AuditLog
     from proxy.config import Config
     from proxy.metrics import Metrics
@@ -102,25 +123,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Reason codes of the engine (the policy core's codes are in policy/decisions.py).
-HOST_MISMATCH = "host_mismatch"
-NOT_VETTED = "not_vetted"
-SNI_MISSING = "sni_missing"
-SNI_MISMATCH = "sni_mismatch"
-NOT_TLS = "not_tls"
-INVALID_CLIENT_HELLO = "invalid_client_hello"
-INSPECTION_UNSUPPORTED = "inspection_unsupported"
-UNSUPPORTED_SCHEME = "unsupported_scheme"
-UPSTREAM_REFUSED = "upstream_refused"
-UPSTREAM_TIMEOUT = "upstream_timeout"
-UPSTREAM_TLS = "upstream_tls"  # an inspected upstream's certificate failed verification
-OVERLOAD = "overload"
-HEADER_TIMEOUT = "header_timeout"
-POLICY_RELOAD = "policy_reload"
-INTERNAL_ERROR = d.INTERNAL_ERROR
-
-DENIED_HEADER = "X-Egress-Denied"
-ERROR_HEADER = "X-Egress-Error"
 # Bodies above this many bytes are streamed, not buffered (DESIGN 4). Small bodies are buffered
 # whole, which is cheaper per request and bounded by this size.
 STREAM_LARGE_BODIES = "64k"
@@ -128,44 +130,17 @@ STREAM_THRESHOLD = 64 * 1024
 # A ClientHello longer than this without completing is refused (a real one is a few KiB, a
 # post-quantum one about 2 KiB more).
 MAX_CLIENT_HELLO = 64 * 1024
-_MAX_SHOWN = 200
 
 _running: Engine | None = None
 
 
-def _shown(text: object) -> str:
-    """Client-controlled text for a one-line body: printable ASCII, capped."""
-    value = "".join(c if " " <= c <= "~" else "?" for c in str(text))
-    return value if len(value) <= _MAX_SHOWN else value[: _MAX_SHOWN - 3] + "..."
-
-
-def _authority(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _deny_response(status: int, host: str, port: int | None, reason: str, *, error: bool = False):
-    where = _shown(host if port is None else _authority(host, port))
-    verb = "failed" if error else "denied"
-    body = f"egress-proxy: {where} {verb}: {reason}\n".encode("ascii", "replace")
-    header = ERROR_HEADER if error else DENIED_HEADER
-    return http.Response.make(
-        status,
-        body,
-        # No "Connection: close": a denied plain-HTTP request leaves the client's keep-alive
-        # connection usable for its next request (a refused CONNECT is closed by mitmproxy).
-        {header: reason, "Content-Type": "text/plain; charset=us-ascii"},
-    )
-
-
-class Refused(Exception):
-    """A denial inside a hook: the status, reason and message of the response."""
-
-    def __init__(self, status: int, reason: str, message: str, *, error: bool = False) -> None:
-        super().__init__(message)
-        self.status = status
-        self.reason = reason
-        self.message = message
-        self.error = error
+def _deny_response(
+    status: int, host: str, port: int | None, reason: str, *, error: bool = False
+) -> http.Response:
+    # No "Connection: close": a denied plain-HTTP request leaves the client's keep-alive
+    # connection usable for its next request (a refused CONNECT is closed by mitmproxy).
+    headers, body = refusal_parts(status, host, port, reason, error=error)
+    return http.Response.make(status, body, headers)
 
 
 @dataclass(slots=True)
@@ -272,15 +247,6 @@ class _Dial:
     metrics: Metrics | None
 
 
-class UpstreamError(OSError):
-    """A failed upstream connect. mitmproxy stores str(exc) as the server connection's error
-    and, for plain HTTP, hands it to `make_error_response`: the reason travels in the text."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(f"egress-proxy: {reason}: {message}")
-        self.reason = reason
-
-
 _ERROR_TEXT = re.compile(r"egress-proxy: (upstream_refused|upstream_timeout|not_vetted): .*")
 
 
@@ -296,33 +262,15 @@ async def _open_connection(host: str, port: int, **kwargs: Any) -> tuple[Any, An
         dial = engine.addon._dials.pop(task, None)
     if dial is None or host != dial.addresses[0] or port != dial.port:
         raise UpstreamError(NOT_VETTED, "server connection not vetted by policy")
-    failures: list[tuple[str, str]] = []
-    for address in dial.addresses:
-        started = time.monotonic()
-        try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(address, port, **kwargs), dial.timeout
-            )
-        except TimeoutError:  # before OSError: TimeoutError is one
-            outcome = UPSTREAM_TIMEOUT
-        except OSError:
-            outcome = UPSTREAM_REFUSED
-        else:
-            if dial.metrics is not None:
-                dial.metrics.upstream_connect(time.monotonic() - started, "ok")
-            return _CountingReader(reader, dial.counted), _CountingWriter(writer, dial.counted)
-        if dial.metrics is not None:
-            dial.metrics.upstream_connect(time.monotonic() - started, outcome)
-        failures.append((address, outcome))
-    timed_out = all(outcome == UPSTREAM_TIMEOUT for _, outcome in failures)
-    tried = ", ".join(
-        f"{address} {'timed out' if outcome == UPSTREAM_TIMEOUT else 'refused'}"
-        for address, outcome in failures
+    reader, writer = await dial_checked(
+        dial.name,
+        dial.addresses,
+        port,
+        lambda address, port: asyncio.open_connection(address, port, **kwargs),
+        timeout=dial.timeout,
+        metrics=dial.metrics,
     )
-    raise UpstreamError(
-        UPSTREAM_TIMEOUT if timed_out else UPSTREAM_REFUSED,
-        f"{_shown(_authority(dial.name, port))} ({tried})",
-    )
+    return _CountingReader(reader, dial.counted), _CountingWriter(writer, dial.counted)
 
 
 class _AsyncioShim:
@@ -353,7 +301,7 @@ def _make_error_response(status_code: int, message: str = "") -> bytes:
     status = 504 if reason == UPSTREAM_TIMEOUT else 502 if error else 403
     response = http.Response.make(
         status,
-        (_shown(text) + "\n").encode("ascii", "replace"),
+        (shown(text) + "\n").encode("ascii", "replace"),
         {
             ERROR_HEADER if error else DENIED_HEADER: reason,
             "Content-Type": "text/plain; charset=us-ascii",
@@ -379,8 +327,8 @@ class EgressAddon:
         max_connections: int | None = None,
         header_timeout: float | None = None,
     ) -> None:
-        self.policy = policy
-        self.resolver = resolver
+        # Decisions, with their metrics and audit lines, are the shared code of both planes.
+        self.vetter = Vetter(policy, resolver, metrics, audit, plane="l7")
         self.metrics = metrics
         self.audit = audit
         self.connect_timeout = connect_timeout
@@ -404,25 +352,21 @@ class EgressAddon:
             state = self._clients[client.id] = _ClientState(time.monotonic())
         return state
 
-    def _event(self, event: DecisionEvent) -> None:
-        if self.audit is not None:
-            self.audit.decision(event)
+    @property
+    def policy(self) -> Policy:
+        return self.vetter.policy
 
-    def _record(
-        self, result: Decision | AddressDecision, client: Client, protocol: str, **context: Any
-    ) -> None:
-        if self.metrics is not None:
-            self.metrics.record(result, "l7")
-        self._event(
-            DecisionEvent.from_policy(
-                result,
-                plane="l7",
-                protocol=protocol,
-                client=client.peername,
-                connection=client.id,
-                **context,
-            )
-        )
+    @policy.setter
+    def policy(self, policy: Policy) -> None:
+        self.vetter.policy = policy
+
+    @property
+    def resolver(self) -> Resolver:
+        return self.vetter.resolver
+
+    @resolver.setter
+    def resolver(self, resolver: Resolver) -> None:
+        self.vetter.resolver = resolver
 
     def _requested(self, client: Client, host: str | None, port: int | None, protocol: str) -> None:
         """What the connection asked for last: its close line says so, denied or not."""
@@ -439,75 +383,26 @@ class EgressAddon:
         stage = ctx.pop("stage", "engine")
         if stage != "upstream":
             self._requested(client, host, port, protocol)
-        if self.metrics is not None:
-            self.metrics.decision(False, refused.reason, stage, "l7")
-        self._event(
-            DecisionEvent(
-                decision="deny",
-                reason=refused.reason,
-                host=host,
-                port=port,
-                stage=stage,
-                plane="l7",
-                protocol=protocol,
-                client=client.peername,
-                connection=client.id,
-                message=refused.message,
-                **ctx,
-            )
-        )
-
-    # -- the shared stages -------------------------------------------------------------------
+        self.vetter.refusal(refused, _peer(client), host, port, protocol, stage=stage, **ctx)
 
     async def _vet(
         self, target: str, dial_host: str, port: int, client: Client, protocol: str, **ctx: Any
     ) -> tuple[Decision, tuple[str, ...]]:
-        """Name stage, DNS once, address stage. Returns the decision and the checked addresses
-        (also remembered for `server_connect`); raises Refused."""
-        policy = self.policy  # one policy for the whole decision, even across a reload
-        decision = policy.decide(target)
-        self._requested(client, decision.host or dial_host, port, protocol)
-        self._record(decision, client, protocol, **ctx)
-        if not decision.allowed:
-            raise Refused(403, decision.reason, decision.message)
+        """Name stage, DNS once, address stage (proxy/vetting.py). Returns the decision and the
+        checked addresses, also remembered for `server_connect`; raises Refused."""
+        spelled = canonical_host(dial_host)
+        self._requested(client, dial_host if spelled.startswith("\0") else spelled, port, protocol)
+        # Inside an intercepted tunnel (https) the request is already inspected; a tunnel can
+        # be intercepted when TlsConfig is loaded.
         inspecting = protocol == "https" or (protocol in ("connect", "socks5") and self.can_inspect)
-        if decision.needs_inspection and not inspecting:
-            # Path rules need TLS interception, which this engine was started without (the
-            # policy itself refuses with inspection_disabled when the config turns it off).
-            refused = Refused(
-                403, INSPECTION_UNSUPPORTED, "this host's rules need TLS inspection, not loaded"
-            )
-            self._refusal(refused, client, decision.host, port, protocol, stage="name", **ctx)
-            raise refused
-        host = decision.host
-        literal = parse_ip_literal(host)
-        if literal is not None:
-            addresses: Sequence[str] = (str(literal),)
-            cname_chain: Sequence[str] = ()
-        else:
-            started = time.monotonic()
-            try:
-                answer = await self.resolver.resolve(host)
-            except ProxyError as exc:
-                if self.metrics is not None:
-                    self.metrics.dns_lookup(time.monotonic() - started, exc.reason)
-                # Every DNS failure, a timeout included, is a 502 (DESIGN 3.6); 504 is kept
-                # for an upstream that does not answer the connect.
-                refused = Refused(502, exc.reason, exc.message, error=True)
-                self._refusal(refused, client, host, port, protocol, stage="dns", **ctx)
-                raise refused from None
-            if self.metrics is not None:
-                self.metrics.dns_lookup(time.monotonic() - started, "ok")
-            addresses, cname_chain = answer.addresses, answer.cname_chain
-        checked = policy.check_addresses(host, addresses, cname_chain=cname_chain)
-        self._record(checked, client, protocol, port=port, rule=decision.rule, **ctx)
-        if not checked.allowed or not checked.pinned:
-            raise Refused(403, checked.reason or d.NO_ADDRESSES, checked.message)
+        vetted = await self.vetter.vet(
+            target, port, _peer(client), protocol, inspecting=inspecting, **ctx
+        )
         state = self._state(client)
-        state.vetted[(dial_host, port)] = checked.pinned
+        state.vetted[(dial_host, port)] = vetted.pinned
         state.targets[(dial_host, port)] = target
-        state.pinned = checked.pinned
-        return decision, checked.pinned
+        state.pinned = vetted.pinned
+        return vetted.decision, vetted.pinned
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -613,7 +508,7 @@ class EgressAddon:
         try:
             self._disarm_head_timer(self._clients.get(client.id))
             decision, _ = await self._vet(
-                _authority(host, port), host, port, client, "connect", method="CONNECT"
+                authority(host, port), host, port, client, "connect", method="CONNECT"
             )
             self._tunnels[flow.server_conn.id] = _Tunnel(
                 decision.host, port, inspect=decision.needs_inspection
@@ -638,7 +533,7 @@ class EgressAddon:
         host, port = context.server.address or ("", 0)
         try:
             self._disarm_head_timer(self._clients.get(client.id))
-            decision, _ = await self._vet(_authority(host, port), host, port, client, "socks5")
+            decision, _ = await self._vet(authority(host, port), host, port, client, "socks5")
             self._tunnels[context.server.id] = _Tunnel(
                 decision.host,
                 port,
@@ -683,7 +578,7 @@ class EgressAddon:
             else:
                 protocol = "http"
             self._check_host_header(request, client, protocol, **ctx)
-            url = f"{protocol}://{_authority(host, port)}{request.path}"
+            url = f"{protocol}://{authority(host, port)}{request.path}"
             await self._vet(url, host, port, client, protocol, **ctx)
         except Refused as refused:
             self._answer(
@@ -717,15 +612,15 @@ class EgressAddon:
         if (
             not tunnel.inspect
             or request.scheme != "https"
-            or _canonical(request.host) != tunnel.host
+            or canonical_host(request.host) != tunnel.host
             or request.port != tunnel.port
         ):
             refused = Refused(
                 403,
                 HOST_MISMATCH,
-                f"request for {_shown(request.scheme)}://"
-                f"{_shown(_authority(request.host, request.port))} inside the tunnel to "
-                f"{_authority(tunnel.host, tunnel.port)}",
+                f"request for {shown(request.scheme)}://"
+                f"{shown(authority(request.host, request.port))} inside the tunnel to "
+                f"{authority(tunnel.host, tunnel.port)}",
             )
             self._refusal(refused, client, request.host, request.port, "https", stage="host", **ctx)
             raise refused
@@ -745,10 +640,10 @@ class EgressAddon:
                 reason_message = "invalid Host header"
             if h_host is not None:
                 h_port = h_port or mitm_url.default_port(request.scheme)
-                if _canonical(h_host) != _canonical(request.host) or h_port != request.port:
+                if canonical_host(h_host) != canonical_host(request.host) or h_port != request.port:
                     reason_message = (
-                        f"Host header {_shown(header[0])!r} does not match "
-                        f"{_shown(_authority(request.host, request.port))!r}"
+                        f"Host header {shown(header[0])!r} does not match "
+                        f"{shown(authority(request.host, request.port))!r}"
                     )
         if reason_message is not None:
             refused = Refused(403, HOST_MISMATCH, reason_message)
@@ -820,11 +715,11 @@ class EgressAddon:
                     sni = hello.sni
                     if not sni:
                         refused = Refused(403, SNI_MISSING, "the ClientHello has no SNI")
-                    elif _canonical(sni) != tunnel.host:
+                    elif canonical_host(sni) != tunnel.host:
                         refused = Refused(
                             403,
                             SNI_MISMATCH,
-                            f"SNI {_shown(sni)!r} is not the CONNECT host {tunnel.host!r}",
+                            f"SNI {shown(sni)!r} is not the CONNECT host {tunnel.host!r}",
                         )
             tunnel.decided = True
             state = self._state(context.client)
@@ -842,21 +737,13 @@ class EgressAddon:
                 )
                 nextlayer.layer = _CloseClient(context)
                 return
-            if self.metrics is not None:
-                self.metrics.decision(True, d.ALLOWED, "sni", "l7")
-            self._event(
-                DecisionEvent(
-                    decision="allow",
-                    reason=d.ALLOWED,
-                    host=tunnel.host,
-                    port=tunnel.port,
-                    stage="sni",
-                    plane="l7",
-                    protocol=tunnel.protocol,
-                    client=context.client.peername,
-                    connection=context.client.id,
-                    sni=sni,
-                )
+            self.vetter.allowed(
+                _peer(context.client),
+                tunnel.protocol,
+                stage="sni",
+                host=tunnel.host,
+                port=tunnel.port,
+                sni=sni,
             )
             if tunnel.inspect:
                 # Intercept: our CA's certificate to the client, a verified TLS connection to
@@ -953,7 +840,7 @@ class EgressAddon:
             state = self._clients.get(data.client.id)
             peer = data.server.peername
             if state is not None and peer:
-                state.upstream = _authority(peer[0], peer[1])  # the address actually used
+                state.upstream = authority(peer[0], peer[1])  # the address actually used
             if name is not None:
                 # Server.__setattr__ refuses to change `address` on an open connection
                 # (mitmproxy/connection.py, Server.__setattr__); the socket is already
@@ -1085,34 +972,15 @@ def _mode_spec(listener: Listener) -> str:
     return f"{mode}@{listener.host}:{listener.port}"
 
 
+def _peer(client: Client) -> Peer:
+    return Peer(client.peername, client.id)
+
+
 def _current_task() -> asyncio.Task[Any] | None:
     try:
         return asyncio.current_task()
     except RuntimeError:  # no running loop (hooks called directly, in unit tests)
         return None
-
-
-def _canonical(host: str) -> str:
-    """The policy's spelling of a host for comparisons (SNI, Host header); garbage stays as is
-    and so compares unequal."""
-    # The same two steps Policy.decide takes, so a host compares equal to its decided spelling.
-    literal = parse_ip_literal(host)
-    if literal is not None:
-        return str(literal)
-    try:
-        return normalize_host(host)
-    except Exception:
-        return "\0" + host
-
-
-def _still_allowed(policy: Policy, target: str, pinned: Sequence[str], inspected: bool) -> bool:
-    decision = policy.decide(target)
-    # A passthrough tunnel cannot be inspected after the fact: it goes when inspection is needed.
-    if not decision.allowed or (decision.needs_inspection and not inspected):
-        return False
-    if not pinned:
-        return False
-    return bool(policy.check_addresses(decision.host, pinned).allowed)
 
 
 class Engine:
@@ -1168,8 +1036,8 @@ class Engine:
         for client_id, state in list(self.addon._clients.items()):
             try:
                 denied = any(
-                    not _still_allowed(
-                        policy, target, state.vetted.get(key, ()), key in state.inspected
+                    not self.addon.vetter.still_allowed(
+                        target, state.vetted.get(key, ()), key in state.inspected
                     )
                     for key, target in state.targets.items()
                 )

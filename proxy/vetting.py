@@ -1,0 +1,210 @@
+"""The decision of one destination, shared by both planes so that they cannot drift apart:
+name stage, DNS once, address stage, and the metrics and audit line of each step.
+
+    vetter = Vetter(policy, resolver, metrics, audit, plane="l4")
+    vetted = await vetter.vet("pypi.org:443", 443, peer, "connect", inspecting=False)
+    vetted.pinned      # the only addresses the connection may go to
+
+A refusal raises `Refused` after its metrics and audit line are written. No mitmproxy here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from policy import decisions as d
+from policy.hostnames import normalize_host, parse_ip_literal
+from proxy.audit import DecisionEvent
+from proxy.errors import ProxyError
+from proxy.refusals import INSPECTION_UNSUPPORTED, Refused
+
+if TYPE_CHECKING:
+    from policy import AddressDecision, Decision, Policy
+    from proxy.audit import AuditLog
+    from proxy.metrics import Metrics
+    from proxy.resolver import Resolver
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """The client connection a decision is for, as audit lines name it."""
+
+    client: tuple[str, int] | None
+    connection: str
+
+
+@dataclass(frozen=True, slots=True)
+class Vetted:
+    decision: Decision
+    pinned: tuple[str, ...]  # checked, in answer order
+
+
+def canonical_host(host: str) -> str:
+    """The policy's spelling of a host, for comparing an SNI or a Host header with what was
+    decided (the same two steps Policy.decide takes). Garbage stays as is, marked so that it
+    compares unequal to every host."""
+    literal = parse_ip_literal(host)
+    if literal is not None:
+        return str(literal)
+    try:
+        return normalize_host(host)
+    except Exception:
+        return "\0" + host
+
+
+class Vetter:
+    """Decides destinations for one plane (`l4` or `l7`); `policy` and `resolver` are swapped
+    by a reload, and a decision in flight keeps the policy it started with."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        resolver: Resolver,
+        metrics: Metrics | None = None,
+        audit: AuditLog | None = None,
+        *,
+        plane: str,
+    ) -> None:
+        self.policy = policy
+        self.resolver = resolver
+        self.metrics = metrics
+        self.audit = audit
+        self.plane = plane
+
+    # -- metrics and audit -------------------------------------------------------------------
+
+    def event(self, event: DecisionEvent) -> None:
+        if self.audit is not None:
+            self.audit.decision(event)
+
+    def record(
+        self, result: Decision | AddressDecision, peer: Peer, protocol: str, **context: Any
+    ) -> None:
+        """Metrics and audit for an answer of the policy core."""
+        if self.metrics is not None:
+            self.metrics.record(result, self.plane)
+        self.event(
+            DecisionEvent.from_policy(
+                result,
+                plane=self.plane,
+                protocol=protocol,
+                client=peer.client,
+                connection=peer.connection,
+                **context,
+            )
+        )
+
+    def allowed(self, peer: Peer, protocol: str, *, stage: str, **context: Any) -> None:
+        """Metrics and audit for an allow of the runtime's own (the SNI gate)."""
+        if self.metrics is not None:
+            self.metrics.decision(True, d.ALLOWED, stage, self.plane)
+        self.event(
+            DecisionEvent(
+                decision="allow",
+                reason=d.ALLOWED,
+                stage=stage,
+                plane=self.plane,
+                protocol=protocol,
+                client=peer.client,
+                connection=peer.connection,
+                **context,
+            )
+        )
+
+    def refusal(
+        self,
+        refused: Refused,
+        peer: Peer,
+        host: str | None,
+        port: int | None,
+        protocol: str,
+        *,
+        stage: str = "engine",
+        **context: Any,
+    ) -> None:
+        """Metrics and audit for a denial the policy core did not produce itself."""
+        if self.metrics is not None:
+            self.metrics.decision(False, refused.reason, stage, self.plane)
+        self.event(
+            DecisionEvent(
+                decision="deny",
+                reason=refused.reason,
+                host=host,
+                port=port,
+                stage=stage,
+                plane=self.plane,
+                protocol=protocol,
+                client=peer.client,
+                connection=peer.connection,
+                message=refused.message,
+                **context,
+            )
+        )
+
+    # -- the stages --------------------------------------------------------------------------
+
+    async def vet(
+        self,
+        target: str,
+        port: int,
+        peer: Peer,
+        protocol: str,
+        *,
+        inspecting: bool,
+        **context: Any,
+    ) -> Vetted:
+        """Name stage on `target` (an authority or a URL), DNS once, address stage. A host
+        whose rules need inspection passes only when the caller is `inspecting`. Raises
+        Refused (403 for denials, 502 for DNS failures)."""
+        policy = self.policy  # one policy for the whole decision, even across a reload
+        decision = policy.decide(target)
+        self.record(decision, peer, protocol, **context)
+        if not decision.allowed:
+            raise Refused(403, decision.reason, decision.message)
+        if decision.needs_inspection and not inspecting:
+            refused = Refused(
+                403, INSPECTION_UNSUPPORTED, "this host's rules need TLS inspection, not loaded"
+            )
+            self.refusal(refused, peer, decision.host, port, protocol, stage="name", **context)
+            raise refused
+        host = decision.host
+        literal = parse_ip_literal(host)
+        addresses: Sequence[str]
+        cname_chain: Sequence[str] = ()
+        if literal is not None:
+            addresses = (str(literal),)
+        else:
+            started = time.monotonic()
+            try:
+                answer = await self.resolver.resolve(host)
+            except ProxyError as exc:
+                if self.metrics is not None:
+                    self.metrics.dns_lookup(time.monotonic() - started, exc.reason)
+                # Every DNS failure, a timeout included, is a 502 (DESIGN 3.6); 504 is kept
+                # for an upstream that does not answer the connect.
+                refused = Refused(502, exc.reason, exc.message, error=True)
+                self.refusal(refused, peer, host, port, protocol, stage="dns", **context)
+                raise refused from None
+            if self.metrics is not None:
+                self.metrics.dns_lookup(time.monotonic() - started, "ok")
+            addresses, cname_chain = answer.addresses, answer.cname_chain
+        checked = policy.check_addresses(host, addresses, cname_chain=cname_chain)
+        self.record(checked, peer, protocol, port=port, rule=decision.rule, **context)
+        if not checked.allowed or not checked.pinned:
+            raise Refused(403, checked.reason or d.NO_ADDRESSES, checked.message)
+        return Vetted(decision, tuple(checked.pinned))
+
+    def still_allowed(self, target: str, pinned: Sequence[str], inspected: bool) -> bool:
+        """After a reload: whether a live connection's destination is still allowed (name
+        stage on what was decided, address stage on the checked addresses). A passthrough
+        connection cannot be inspected after the fact: it goes when inspection is needed."""
+        policy = self.policy
+        decision = policy.decide(target)
+        if not decision.allowed or (decision.needs_inspection and not inspected):
+            return False
+        if not pinned:
+            return False
+        return bool(policy.check_addresses(decision.host, pinned).allowed)
