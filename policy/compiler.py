@@ -239,6 +239,12 @@ class Policy:
         running proxy never needs them and a lowered ceiling can cut thousands of entries."""
         return _deploy_findings(self.manifest, self.ceiling, self.operator, self._declared_cut)
 
+    @cached_property
+    def has_url_rules(self) -> bool:
+        """Whether any rule (allowed or blocked) is a URL prefix: only then can a decision need
+        HTTP semantics beyond the name (per-request paths, TLS inspection)."""
+        return any(rule.kind == "url" for rule in self.manifest.rules)
+
     def rules_json(self) -> list[dict[str, Any]]:
         """The effective rules, as `check --json` prints them."""
         out = [g.to_json() for g in self.grants]

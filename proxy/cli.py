@@ -96,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--admin", metavar="HOST:PORT", default="127.0.0.1:9901", help="/healthz /readyz /metrics"
     )
+    run.add_argument(
+        "--engine-only",
+        action="store_true",
+        help="serve every connection with the L7 engine (no fast path); for comparisons",
+    )
     run.add_argument("--session-id", metavar="ID", help="session id written on every audit line")
     run.add_argument("--audit-log", metavar="FILE", help="append audit lines here (default stdout)")
     return parser
@@ -355,6 +360,7 @@ def cmd_run(args: argparse.Namespace, out: TextIO) -> int:
         admin=admin,
         session_id=args.session_id,
         audit_log=args.audit_log,
+        engine_only=args.engine_only,
     )
 
 

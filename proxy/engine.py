@@ -57,6 +57,7 @@ import contextlib
 import logging
 import os
 import re
+import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -68,12 +69,10 @@ from mitmproxy.addons import proxyserver, tlsconfig
 from mitmproxy.master import Master
 from mitmproxy.net.http import http1 as mitm_http1
 from mitmproxy.net.http import url as mitm_url
-from mitmproxy.net.tls import starts_like_tls_record
 from mitmproxy.proxy import commands, events, layer, layers, mode_servers, mode_specs
 from mitmproxy.proxy import server as mitm_server
 from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.layers.http import _http1 as mitm_http1_layer
-from mitmproxy.proxy.layers.tls import parse_client_hello
 
 from proxy.audit import CloseEvent
 from proxy.ca import CertificateAuthority, check_upstream_ca, ensure_ca
@@ -86,13 +85,9 @@ from proxy.refusals import (
     HEADER_TIMEOUT,
     HOST_MISMATCH,
     INTERNAL_ERROR,
-    INVALID_CLIENT_HELLO,
-    NOT_TLS,
     NOT_VETTED,
     OVERLOAD,
     POLICY_RELOAD,
-    SNI_MISMATCH,
-    SNI_MISSING,
     UNSUPPORTED_SCHEME,
     UPSTREAM_TIMEOUT,
     UPSTREAM_TLS,
@@ -101,6 +96,7 @@ from proxy.refusals import (
     refusal_parts,
     shown,
 )
+from proxy.sni_gate import check_hello
 from proxy.socks import (
     GENERAL_FAILURE,
     HOST_UNREACHABLE,
@@ -127,9 +123,6 @@ logger = logging.getLogger(__name__)
 # whole, which is cheaper per request and bounded by this size.
 STREAM_LARGE_BODIES = "64k"
 STREAM_THRESHOLD = 64 * 1024
-# A ClientHello longer than this without completing is refused (a real one is a few KiB, a
-# post-quantum one about 2 KiB more).
-MAX_CLIENT_HELLO = 64 * 1024
 
 _running: Engine | None = None
 
@@ -696,31 +689,10 @@ class EgressAddon:
             data = nextlayer.data_client()
             if not data:
                 return  # nothing yet: decide on the first bytes
-            refused: Refused | None = None
-            sni: str | None = None
-            if not starts_like_tls_record(data):
-                refused = Refused(403, NOT_TLS, "the tunnel did not start with a TLS ClientHello")
-            else:
-                try:
-                    hello = parse_client_hello(data)
-                except ValueError:
-                    hello = None
-                    refused = Refused(403, INVALID_CLIENT_HELLO, "invalid TLS ClientHello")
-                if hello is None and refused is None:
-                    if len(data) > MAX_CLIENT_HELLO:
-                        refused = Refused(403, INVALID_CLIENT_HELLO, "ClientHello too long")
-                    else:
-                        return  # a ClientHello split across reads: wait for the rest
-                if hello is not None:
-                    sni = hello.sni
-                    if not sni:
-                        refused = Refused(403, SNI_MISSING, "the ClientHello has no SNI")
-                    elif canonical_host(sni) != tunnel.host:
-                        refused = Refused(
-                            403,
-                            SNI_MISMATCH,
-                            f"SNI {shown(sni)!r} is not the CONNECT host {tunnel.host!r}",
-                        )
+            outcome = check_hello(data, tunnel.host)  # shared with the fast path
+            if outcome is None:
+                return  # a ClientHello split across reads: wait for the rest
+            refused, sni = outcome.refused, outcome.sni
             tunnel.decided = True
             state = self._state(context.client)
             self._disarm_head_timer(state)
@@ -994,7 +966,11 @@ class Engine:
         metrics: Metrics | None = None,
         audit: AuditLog | None = None,
         session_id: str | None = None,
+        *,
+        fronted: bool = False,
     ) -> None:
+        """`fronted`: connections come from the front door (`handoff`), which also enforces
+        limits.max_connections over both planes."""
         self.config = config
         self.session_id = session_id
         self.addon = EgressAddon(
@@ -1003,13 +979,15 @@ class Engine:
             metrics,
             audit,
             connect_timeout=config.limits.connect_timeout,
-            max_connections=config.limits.max_connections,
+            max_connections=None if fronted else config.limits.max_connections,
             header_timeout=config.limits.header_timeout,
         )
         self.master: Master | None = None
         self.address: tuple[str, int] | None = None
         self.ca: CertificateAuthority | None = None
         self.listeners: tuple[Listener, ...] = ()
+        # Mode instances that serve connections the front door hands over (never listening).
+        self._instances: dict[str, mode_servers.ServerInstance[Any]] = {}
 
     def prepare(self) -> CertificateAuthority | None:
         """What must work before anything listens: with inspection enabled, the CA (created on
@@ -1051,6 +1029,33 @@ class Engine:
             _close_client(client_id, "egress-proxy: denied by the reloaded policy")
         return closed
 
+    async def handoff(self, sock: socket.socket, prefix: bytes, scheme: str) -> None:
+        """Serve one connection accepted by the front door, as if mitmproxy had accepted it on a
+        listener of `scheme` ("http" or "socks5"): `prefix` is what was already read from it.
+        Returns when the connection has ended."""
+        master = self.master
+        if master is None:
+            sock.close()
+            raise ProxyError("engine_stopped", "the engine is not running")
+        instance = self._instances.get(scheme)
+        if instance is None:
+            instance = mode_servers.ServerInstance.make(
+                _mode_spec(Listener(scheme, "127.0.0.1", 0)), master.addons.get("proxyserver")
+            )
+            self._instances[scheme] = instance
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=2**16, loop=loop)
+        if prefix:
+            reader.feed_data(prefix)  # before the socket's own bytes, which follow it
+        protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
+        try:
+            transport, _ = await loop.connect_accepted_socket(lambda: protocol, sock)
+        except BaseException:
+            sock.close()
+            raise
+        writer = asyncio.StreamWriter(transport, protocol, reader, loop)
+        await instance.handle_stream(reader, writer)
+
     async def start(
         self,
         listen_host: str = "127.0.0.1",
@@ -1061,7 +1066,9 @@ class Engine:
         """Listen and return the first bound address; `self.listeners` has every one bound.
         Without `listeners`, one explicit HTTP proxy on listen_host:listen_port."""
         global _running
-        wanted = list(listeners or [Listener("http", listen_host, listen_port)])
+        wanted = list(
+            listeners if listeners is not None else [Listener("http", listen_host, listen_port)]
+        )
         if _running is not None:
             raise ProxyError("engine_running", "an engine already runs in this process")
         _running = self
@@ -1127,6 +1134,10 @@ class Engine:
                 )
             await master.running()
             bound: list[Listener] = []
+            if not wanted:
+                # Fronted: every connection comes through `handoff`, none from a listener.
+                self.address = None
+                return ("", 0)
             for listener, instance in zip(wanted, server.servers, strict=True):
                 addresses = instance.listen_addrs
                 if not addresses:

@@ -145,6 +145,12 @@ class Metrics:
             ["plane"],
             registry=r,
         )
+        self.engine = Gauge(
+            f"{PREFIX}engine_loaded",
+            "1 once the L7 engine (mitmproxy) is loaded: at start when the policy can need "
+            "it, else with the first connection that does.",
+            registry=r,
+        )
         self.connections = Counter(
             f"{PREFIX}connections",
             "Client connections accepted, by plane and protocol.",
@@ -231,6 +237,9 @@ class Metrics:
         self.bytes.labels("up", plane).inc(_amount(bytes_up))
         self.bytes.labels("down", plane).inc(_amount(bytes_down))
         self.connection_duration_seconds.labels(plane).observe(_amount(seconds))
+
+    def engine_loaded(self, loaded: bool) -> None:
+        self.engine.set(1 if loaded else 0)
 
     def reload(self, ok: bool) -> None:
         self.reloads.labels("success" if ok else "failure").inc()

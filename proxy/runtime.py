@@ -36,20 +36,24 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import metadata
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from policy import Policy, PolicyError, compile_policy
 from policy.manifests import Format
 from proxy.admin import AdminServer, Readiness, format_listen
 from proxy.audit import AuditLog
 from proxy.config import Config
-from proxy.engine import Engine
 from proxy.errors import ProxyError
+from proxy.frontdoor import FrontDoor
 from proxy.inputs import load_inputs, read_input, source_name
 from proxy.listen import Listener
 from proxy.metrics import Metrics
 from proxy.resolver import Resolver
 from proxy.terminal import printable
+from proxy.vetting import Vetter
+
+if TYPE_CHECKING:
+    from proxy.engine import Engine
 
 # Upper bound of the SIGTERM drain: live connections get min(this, limits.idle_timeout).
 MAX_DRAIN_SECONDS = 5.0
@@ -119,8 +123,10 @@ class Runtime:
         session_id: str | None = None,
         audit_log: str | None = None,
         err: TextIO | None = None,
+        engine_only: bool = False,
     ) -> None:
         self.inputs = inputs
+        self.engine_only = engine_only
         self.compiled = compiled
         self.listen = listen
         self.admin_address = admin
@@ -131,6 +137,9 @@ class Runtime:
         self.metrics = Metrics()
         self.readiness = Readiness()
         self.engine: Engine | None = None
+        self.front: FrontDoor | None = None
+        self.resolver: Resolver | None = None
+        self._engine_lock = asyncio.Lock()
         self.admin: AdminServer | None = None
         self.audit: AuditLog | None = None
         self._stop = asyncio.Event()
@@ -181,19 +190,28 @@ class Runtime:
                 "unreadable",
                 f"cannot open the audit log {self.audit_path}: {exc.strerror or exc}",
             ) from None
+        self.resolver = resolver
         try:
-            self.engine = Engine(
-                self.compiled.policy, resolver, config, self.metrics, self.audit, self.session_id
-            )
-            ca = self.engine.prepare()  # CA problems stop start-up before anything listens
+            ca = None
+            if self.engine_only or self.compiled.policy.has_url_rules:
+                # The policy can need the engine (per-request paths, inspection): load it now,
+                # with its CA, so any problem stops start-up before anything listens.
+                ca = self._new_engine().prepare()
             self.admin = AdminServer(self.readiness, self.metrics.render)
             admin_host, admin_port = await self.admin.start(*self.admin_address)
-            try:
-                await self.engine.start(listeners=self.listen)
-            except ProxyError as exc:
-                # mitmproxy's message carries a hint about its own --mode option: keep line one.
-                first = exc.message.splitlines()[0] if exc.message else str(exc)
-                raise ProxyError(exc.reason, first) from None
+            if self.engine_only:
+                listeners = await self._start_engine(listeners=self.listen)
+            else:
+                if self.engine is not None:
+                    await self._start_engine(listeners=[])
+                self.front = FrontDoor(
+                    Vetter(self.compiled.policy, resolver, self.metrics, self.audit, plane="l4"),
+                    config,
+                    self.metrics,
+                    self.audit,
+                    engine=self.engine_for_handoff,
+                )
+                listeners = await self.front.start(self.listen)
             self.readiness.set("listeners_bound", True)
             # Set here because nothing in this process can verify the sandbox boundary (that the
             # agent cannot bypass this proxy); the sandbox shapes (issue 5) verify it and will
@@ -201,9 +219,9 @@ class Runtime:
             self.readiness.set("boundary_verified", True)
             self._install_signals()
             self.say(
-                f"listening on {_listening(self.engine.listeners)} "
+                f"listening on {_listening(listeners)} "
                 f"(admin http://{format_listen(admin_host, admin_port)}/readyz /metrics); "
-                f"try: {_try_it(self.engine.listeners[0])}"
+                f"try: {_try_it(listeners[0])}"
             )
             if ca is not None:
                 self.say(ca.trust_hint())
@@ -212,6 +230,46 @@ class Runtime:
             return 0
         finally:
             await self._shutdown()
+
+    # -- the engine, loaded when first needed --------------------------------------------------
+
+    def _new_engine(self) -> Engine:
+        # Imported here: mitmproxy costs ~10 MB and a second of start-up, which a
+        # passthrough-only session never pays.
+        from proxy.engine import Engine
+
+        assert self.resolver is not None
+        self.engine = Engine(
+            self.compiled.policy,
+            self.resolver,
+            self.compiled.config,
+            self.metrics,
+            self.audit,
+            self.session_id,
+            fronted=not self.engine_only,
+        )
+        return self.engine
+
+    async def _start_engine(self, listeners: Sequence[Listener]) -> tuple[Listener, ...]:
+        engine = self.engine if self.engine is not None else self._new_engine()
+        try:
+            await engine.start(listeners=listeners)
+        except ProxyError as exc:
+            # mitmproxy's message carries a hint about its own --mode option: keep line one.
+            first = exc.message.splitlines()[0] if exc.message else str(exc)
+            raise ProxyError(exc.reason, first) from None
+        self.metrics.engine_loaded(True)
+        return engine.listeners
+
+    async def engine_for_handoff(self) -> Engine:
+        """The running engine, started on first use (one start even for concurrent callers)."""
+        async with self._engine_lock:
+            if self.engine is None or self.engine.master is None:
+                engine = self.engine if self.engine is not None else self._new_engine()
+                engine.prepare()
+                await self._start_engine(listeners=[])
+            assert self.engine is not None
+            return self.engine
 
     def _install_signals(self) -> None:
         loop = asyncio.get_running_loop()
@@ -231,15 +289,25 @@ class Runtime:
         task.add_done_callback(self._tasks.discard)
 
     async def _drain(self) -> None:
-        engine = self.engine
-        if engine is None or engine.master is None:
+        timeout = min(MAX_DRAIN_SECONDS, self.compiled.config.limits.idle_timeout)
+        front = self.front
+        if front is not None:
+            # Every connection, handed to the engine or not, is a task of the front door.
+            if front.live:
+                self.say(f"draining {front.live} live connection(s) for up to {timeout:g}s")
+            drained = asyncio.ensure_future(front.drain(timeout))
+            hurry = asyncio.ensure_future(self._hurry.wait())
+            await asyncio.wait({drained, hurry}, return_when=asyncio.FIRST_COMPLETED)
+            hurry.cancel()
+            if not drained.done():
+                drained.cancel()
             return
-        server = engine.master.addons.get("proxyserver")
+        engine = self.engine
+        server = engine.master.addons.get("proxyserver") if engine and engine.master else None
         if server is None:
             return
         with contextlib.suppress(Exception):
             await server.servers.update([])  # stop accepting; live connections go on
-        timeout = min(MAX_DRAIN_SECONDS, self.compiled.config.limits.idle_timeout)
         if server.connections:
             self.say(
                 f"draining {len(server.connections)} live connection(s) for up to {timeout:g}s"
@@ -254,6 +322,9 @@ class Runtime:
     async def _shutdown(self) -> None:
         for task in list(self._tasks):
             task.cancel()
+        if self.front is not None:
+            with contextlib.suppress(Exception):
+                await self.front.drain(0)
         if self.engine is not None:
             with contextlib.suppress(Exception):
                 await self.engine.stop()
@@ -283,7 +354,7 @@ class Runtime:
                     f"{type(exc).__name__}: {str(exc)[:200]}), keeping the previous policy"
                 )
                 return False
-            if self.engine is None or self._stop.is_set():
+            if (self.engine is None and self.front is None) or self._stop.is_set():
                 return False
             old = self.compiled.config
             new = compiled.config
@@ -299,8 +370,16 @@ class Runtime:
                     self.metrics.reload(ok=False)
                     self.say(f"reload failed, keeping the previous policy: {exc}")
                     return False
-                self.engine.addon.resolver = resolver
-            closed = self.engine.set_policy(compiled.policy)
+                self.resolver = resolver
+                if self.front is not None:
+                    self.front.vetter.resolver = resolver
+                if self.engine is not None:
+                    self.engine.addon.resolver = resolver
+            closed: list[str] = []
+            if self.front is not None:
+                closed += self.front.set_policy(compiled.policy)
+            if self.engine is not None:
+                closed += self.engine.set_policy(compiled.policy)
             self.compiled = compiled
             self.metrics.reload(ok=True)
             self.warn_findings(compiled.policy)
@@ -355,6 +434,7 @@ def run(
     session_id: str | None = None,
     audit_log: str | None = None,
     err: TextIO | None = None,
+    engine_only: bool = False,
 ) -> int:
     """Serve until SIGTERM/SIGINT; 0 after a clean drain. Raises ProxyError on bind failures."""
 
@@ -367,6 +447,7 @@ def run(
             session_id=session_id,
             audit_log=audit_log,
             err=err,
+            engine_only=engine_only,
         )
         return await runtime.run()
 

@@ -154,13 +154,16 @@ class Vetter:
         protocol: str,
         *,
         inspecting: bool,
+        decision: Decision | None = None,
         **context: Any,
     ) -> Vetted:
         """Name stage on `target` (an authority or a URL), DNS once, address stage. A host
-        whose rules need inspection passes only when the caller is `inspecting`. Raises
-        Refused (403 for denials, 502 for DNS failures)."""
+        whose rules need inspection passes only when the caller is `inspecting`. `decision`:
+        the name stage already taken by the caller on this very policy. Raises Refused (403
+        for denials, 502 for DNS failures)."""
         policy = self.policy  # one policy for the whole decision, even across a reload
-        decision = policy.decide(target)
+        if decision is None:
+            decision = policy.decide(target)
         self.record(decision, peer, protocol, **context)
         if not decision.allowed:
             raise Refused(403, decision.reason, decision.message)

@@ -35,6 +35,10 @@ from proxy.runtime import Runtime, compile_inputs, read_inputs
 MANIFEST = "network:\n  egress: [up.test, other.test]\n"
 CEILING = "tenant: test\negress: [up.test, other.test]\n"
 NARROWED = "tenant: test\negress: [other.test]\n"
+# URL-prefix rules: the policy can need inspection, so the engine and its CA load at start.
+# (agent.toml's schema, written in YAML: the harness names the file agent.yaml.)
+PATHS = "schema_version: 1\nnetwork_access:\n  allowed: ['https://up.test/api/']\n"
+
 
 
 @pytest.fixture
@@ -214,13 +218,13 @@ def test_run_creates_the_inspection_ca_and_says_how_to_trust_it(
 ) -> None:
     ca_dir = tmp_path / "ca"
     extra = f"inspection:\n  ca_dir: {ca_dir}\n"
-    with RunningProxy(tmp_path / "one", MANIFEST, dns=dns, config_extra=extra) as proxy:
+    with RunningProxy(tmp_path / "one", PATHS, dns=dns, config_extra=extra) as proxy:
         cert = ca_dir / "mitmproxy-ca-cert.pem"
         assert f"TLS inspection CA {cert} (created now)" in proxy.stderr()
         assert f"curl --cacert {cert}" in proxy.stderr()
         first = cert.read_bytes()
     # The next start uses the same CA.
-    with RunningProxy(tmp_path / "two", MANIFEST, dns=dns, config_extra=extra) as proxy:
+    with RunningProxy(tmp_path / "two", PATHS, dns=dns, config_extra=extra) as proxy:
         assert f"TLS inspection CA {cert} (existing)" in proxy.stderr()
         assert cert.read_bytes() == first
 
@@ -231,7 +235,7 @@ def test_run_ca_problem_exits_2_before_listening(tmp_path: Path, dns: DNSServer)
     port, admin = free_port(), free_port()
     proxy = RunningProxy(
         tmp_path / "run",
-        MANIFEST,
+        PATHS,
         dns=dns,
         config_extra=f"inspection:\n  ca_dir: {blocker / 'ca'}\n",
         listen=f"127.0.0.1:{port}",

@@ -1,0 +1,482 @@
+"""The front door of `egress-proxy run`: our own asyncio listener, and the L4 fast path.
+
+    door = FrontDoor(vetter, config, metrics, audit, engine=lazy_engine)
+    bound = await door.start([Listener("http", "127.0.0.1", 3128)])
+    door.set_policy(policy)       # reload: live tunnels the new policy denies are closed
+    await door.drain(5.0)
+
+Every connection is accepted here. A CONNECT whose host needs no inspection stays here (the
+fast path, DESIGN 1): the head is read with `limits.header_timeout` and a size limit and parsed
+by h11; then the name stage, DNS once and the address stage (proxy/vetting.py, the engine's
+code too); an eager dial of the checked addresses (proxy/dialing.py), so a failure is a 502 or
+504 with its reason rather than a silent close; `200`; the ClientHello, bounded and timed, through
+the SNI gate (proxy/sni_gate.py); then the bytes are relayed by proxy/relay.py (`os.splice`,
+driven by the event loop) with the idle timeout, and counted for the close line.
+
+Everything else (plain HTTP, a CONNECT that needs inspection, SOCKS5 listeners) is handed to the
+L7 engine on the same socket, with the bytes read so far, so the client cannot tell: same
+address, same policy, same audit lines and metrics. The engine (and so mitmproxy) is loaded
+only when the first such connection arrives, unless the runtime loaded it at start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import h11
+
+from policy import PolicyError
+from policy.urls import split_authority
+from proxy.audit import CloseEvent
+from proxy.dialing import UpstreamError, connect_socket, dial_checked
+from proxy.errors import ProxyError
+from proxy.listen import Listener
+from proxy.refusals import (
+    HEADER_TIMEOUT,
+    INVALID_REQUEST,
+    OVERLOAD,
+    POLICY_RELOAD,
+    UPSTREAM_TIMEOUT,
+    Refused,
+    authority,
+    refusal_response,
+)
+from proxy.relay import Counter, relay
+from proxy.sni_gate import GateOutcome, check_hello
+from proxy.vetting import Peer, Vetter
+
+if TYPE_CHECKING:
+    from policy import Policy
+    from proxy.audit import AuditLog
+    from proxy.config import Config
+    from proxy.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+# A CONNECT head is a line and a few headers; anything near this is not a CONNECT we want.
+MAX_CONNECT_HEAD = 16 * 1024
+_CONNECT = b"CONNECT "
+_ESTABLISHED = b"HTTP/1.1 200 Connection established\r\n\r\n"
+_READ = 65536
+_BACKLOG = 1024
+
+
+class Handoff(Protocol):
+    """What the front door needs of the engine: serve one accepted connection as if mitmproxy
+    had accepted it, starting with the bytes already read from it."""
+
+    async def handoff(self, sock: socket.socket, prefix: bytes, scheme: str) -> None: ...
+
+
+@dataclass(slots=True)
+class _Tunnel:
+    """A live fast-path tunnel, for reloads and the drain."""
+
+    task: asyncio.Task[Any]
+    target: str
+    pinned: tuple[str, ...]
+    close_reason: str | None = None
+
+
+@dataclass(slots=True)
+class _Accepted:
+    peer: Peer
+    opened: float = field(default_factory=time.monotonic)
+
+
+class FrontDoor:
+    """Our listener(s): the fast path for passthrough CONNECT, hand-off for the rest."""
+
+    def __init__(
+        self,
+        vetter: Vetter,
+        config: Config,
+        metrics: Metrics | None = None,
+        audit: AuditLog | None = None,
+        *,
+        engine: Callable[[], Awaitable[Handoff]],
+    ) -> None:
+        self.vetter = vetter
+        self.config = config
+        self.metrics = metrics
+        self.audit = audit
+        self._engine = engine
+        self._servers: list[socket.socket] = []
+        self._accepting: list[asyncio.Task[None]] = []
+        self._tasks: set[asyncio.Task[None]] = set()  # one per accepted connection
+        self._tunnels: dict[str, _Tunnel] = {}
+        self.listeners: tuple[Listener, ...] = ()
+
+    # -- life cycle --------------------------------------------------------------------------
+
+    async def start(self, listeners: Sequence[Listener]) -> tuple[Listener, ...]:
+        """Bind every listener (all or none) and start accepting; returns them as bound."""
+        bound: list[Listener] = []
+        try:
+            for listener in listeners:
+                sock = _listening_socket(listener)
+                self._servers.append(sock)
+                host, port = sock.getsockname()[:2]
+                bound.append(Listener(listener.scheme, host, port))
+        except OSError as exc:
+            self._close_servers()
+            raise ProxyError(
+                "listen_failed",
+                f"cannot listen on {listener}: {exc.strerror or exc}",
+            ) from None
+        loop = asyncio.get_running_loop()
+        for sock, listener in zip(self._servers, bound, strict=True):
+            self._accepting.append(loop.create_task(self._accept(sock, listener)))
+        self.listeners = tuple(bound)
+        return self.listeners
+
+    def stop_accepting(self) -> None:
+        for task in self._accepting:
+            task.cancel()
+        self._accepting.clear()
+        self._close_servers()
+
+    @property
+    def live(self) -> int:
+        return len(self._tasks)
+
+    async def drain(self, timeout: float) -> None:
+        """Stop accepting; give live connections up to `timeout` to end, then close them."""
+        self.stop_accepting()
+        if self._tasks:
+            _, pending = await asyncio.wait(set(self._tasks), timeout=timeout)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=5)
+
+    def set_policy(self, policy: Policy) -> list[str]:
+        """Every later decision uses `policy`; live tunnels it denies are closed. Returns the
+        connection ids closed. (The engine's connections are the engine's to re-decide.)"""
+        self.vetter.policy = policy
+        closed: list[str] = []
+        for connection, tunnel in list(self._tunnels.items()):
+            try:
+                allowed = self.vetter.still_allowed(tunnel.target, tunnel.pinned, False)
+            except Exception:
+                logger.exception("egress: re-deciding a live tunnel failed")
+                allowed = False  # fail closed
+            if not allowed:
+                tunnel.close_reason = POLICY_RELOAD
+                tunnel.task.cancel()
+                closed.append(connection)
+        return closed
+
+    def _close_servers(self) -> None:
+        for sock in self._servers:
+            with contextlib.suppress(OSError):
+                sock.close()
+        self._servers.clear()
+
+    # -- accepting ---------------------------------------------------------------------------
+
+    async def _accept(self, server: socket.socket, listener: Listener) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, address = await loop.sock_accept(server)
+            except asyncio.CancelledError:
+                raise
+            except OSError as exc:
+                # EMFILE and friends: back off instead of spinning; the listener stays.
+                logger.warning("egress: accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            task = loop.create_task(self._serve(sock, address, listener))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, sock: socket.socket, address: Any, listener: Listener) -> None:
+        accepted = _Accepted(Peer(_peername(address), uuid.uuid4().hex))
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.live > self.config.limits.max_connections:
+                await self._refuse(
+                    sock,
+                    accepted,
+                    Refused(503, OVERLOAD, "too many connections", error=True),
+                    None,
+                    None,
+                    stage="accept",
+                )
+                return
+            if listener.scheme == "socks5":
+                await self._hand_off(sock, b"", "socks5")
+                return
+            await self._serve_http(sock, accepted)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            # Fail closed: whatever went wrong, the connection ends here.
+            logger.exception("egress: the front door failed on a connection")
+        finally:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    async def _hand_off(self, sock: socket.socket, prefix: bytes, scheme: str) -> None:
+        engine = await self._engine()
+        # The engine owns the socket from here (a duplicate: ours is closed when we return).
+        await engine.handoff(sock.dup(), prefix, scheme)
+
+    # -- the fast path -----------------------------------------------------------------------
+
+    async def _serve_http(self, sock: socket.socket, accepted: _Accepted) -> None:
+        loop = asyncio.get_running_loop()
+        data = b""
+        try:
+            async with asyncio.timeout(self.config.limits.header_timeout):
+                while True:
+                    chunk = await loop.sock_recv(sock, _READ)
+                    if not chunk:
+                        return  # gone before asking anything
+                    data += chunk
+                    if not _CONNECT.startswith(data[: len(_CONNECT)]):
+                        break  # not a CONNECT: the engine's
+                    if b"\r\n\r\n" in data or len(data) > MAX_CONNECT_HEAD:
+                        break
+        except TimeoutError:
+            if data and not _CONNECT.startswith(data[: len(_CONNECT)]):
+                pass  # began like another request: the engine times it out itself
+            else:
+                refused = Refused(408, HEADER_TIMEOUT, "no request head within the time limit")
+                await self._refuse(sock, accepted, refused, None, None, stage="accept")
+                return
+        if not data.startswith(_CONNECT):
+            await self._hand_off(sock, data, "http")
+            return
+        request = _parse_connect(data)
+        if isinstance(request, Refused):
+            await self._refuse(sock, accepted, request, None, None, stage="request")
+            return
+        host, port, rest = request
+        target = authority(host, port)
+        policy = self.vetter.policy
+        decision = policy.decide(target)
+        if decision.allowed and decision.needs_inspection:
+            await self._hand_off(sock, data, "http")  # interception is the engine's
+            return
+        await self._tunnel(sock, accepted, target, host, port, rest, decision)
+
+    async def _tunnel(
+        self,
+        sock: socket.socket,
+        accepted: _Accepted,
+        target: str,
+        host: str,
+        port: int,
+        rest: bytes,
+        decision: Any,
+    ) -> None:
+        peer = accepted.peer
+        if self.metrics is not None:
+            self.metrics.connection_opened("l4", "connect")
+        upstream: socket.socket | None = None
+        sni: str | None = None
+        counter = Counter()
+        reason = "closed"
+        pinned: tuple[str, ...] = ()
+        name = decision.host or host
+        upstream_address: str | None = None
+        try:
+            try:
+                vetted = await self.vetter.vet(
+                    target, port, peer, "connect", inspecting=False, decision=decision,
+                    method="CONNECT",
+                )  # fmt: skip
+                pinned = vetted.pinned
+                name = vetted.decision.host
+                try:
+                    upstream = await dial_checked(
+                        name,
+                        pinned,
+                        port,
+                        connect_socket,
+                        timeout=self.config.limits.connect_timeout,
+                        metrics=self.metrics,
+                    )
+                    address = upstream.getpeername()
+                    upstream_address = authority(address[0], address[1])
+                except UpstreamError as exc:
+                    status = 504 if exc.reason == UPSTREAM_TIMEOUT else 502
+                    refused = Refused(status, exc.reason, exc.message, error=True)
+                    self.vetter.refusal(refused, peer, name, port, "connect", stage="upstream")
+                    raise refused from None
+            except Refused as refused:
+                reason = refused.reason
+                await _send(sock, refusal_response(refused, host, port))
+                return
+            await _send(sock, _ESTABLISHED)
+            hello, gate = await self._client_hello(sock, name, rest)
+            sni = gate.sni
+            if gate.refused is not None:
+                reason = gate.refused.reason
+                self.vetter.refusal(gate.refused, peer, name, port, "connect", stage="sni", sni=sni)
+                return
+            if isinstance(gate, _Gone):
+                reason = "client_closed"
+                return
+            self.vetter.allowed(peer, "connect", stage="sni", host=name, port=port, sni=sni)
+            task = asyncio.current_task()
+            assert task is not None
+            tunnel = _Tunnel(task, target, pinned)
+            self._tunnels[peer.connection] = tunnel
+            try:
+                result = await relay(
+                    sock,
+                    upstream,
+                    idle_timeout=self.config.limits.idle_timeout,
+                    counter=counter,
+                    initial_up=hello,
+                )
+                reason = result.reason
+            except asyncio.CancelledError:
+                reason = tunnel.close_reason or "cancelled"
+                if tunnel.close_reason is None:
+                    raise
+        finally:
+            self._tunnels.pop(peer.connection, None)
+            if upstream is not None:
+                with contextlib.suppress(OSError):
+                    upstream.close()
+            self._closed(accepted, name, port, sni, upstream_address, counter, reason, pinned)
+
+    async def _client_hello(
+        self, sock: socket.socket, host: str, data: bytes
+    ) -> tuple[bytes, GateOutcome | _Gone]:
+        """The ClientHello (bounded by the parser, timed by the header timeout) and the gate's
+        outcome on it; _Gone when the client ended or timed out first."""
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.config.limits.header_timeout):
+                while True:
+                    if data:
+                        outcome = check_hello(data, host)
+                        if outcome is not None:
+                            return data, outcome
+                    chunk = await loop.sock_recv(sock, _READ)
+                    if not chunk:
+                        return data, _Gone()
+                    data += chunk
+        except TimeoutError:
+            return data, _Gone(Refused(408, HEADER_TIMEOUT, "no ClientHello within the time limit"))
+
+    # -- answers -----------------------------------------------------------------------------
+
+    async def _refuse(
+        self,
+        sock: socket.socket,
+        accepted: _Accepted,
+        refused: Refused,
+        host: str | None,
+        port: int | None,
+        *,
+        stage: str,
+    ) -> None:
+        self.vetter.refusal(refused, accepted.peer, host, port, "http", stage=stage)
+        with contextlib.suppress(OSError, TimeoutError):
+            await _send(sock, refusal_response(refused, host or "proxy", port))
+
+    def _closed(
+        self,
+        accepted: _Accepted,
+        host: str | None,
+        port: int | None,
+        sni: str | None,
+        upstream: str | None,
+        counter: Counter,
+        reason: str,
+        pinned: tuple[str, ...],
+    ) -> None:
+        duration = time.monotonic() - accepted.opened
+        if self.metrics is not None:
+            self.metrics.connection_closed("l4", counter.up, counter.down, duration)
+        if self.audit is not None:
+            self.audit.closed(
+                CloseEvent(
+                    host=host,
+                    port=port,
+                    plane="l4",
+                    protocol="connect",
+                    client=accepted.peer.client,
+                    connection=accepted.peer.connection,
+                    sni=sni,
+                    upstream=upstream,
+                    bytes_up=counter.up,
+                    bytes_down=counter.down,
+                    duration=duration,
+                    reason=reason,
+                    pinned=pinned or None,
+                )
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class _Gone:
+    """The client ended (or timed out) before its ClientHello was complete."""
+
+    refused: Refused | None = None
+    sni: str | None = None
+
+
+def _parse_connect(data: bytes) -> tuple[str, int, bytes] | Refused:
+    """(host, port, bytes after the head) of a CONNECT head, or the refusal to answer with."""
+    if len(data) > MAX_CONNECT_HEAD and b"\r\n\r\n" not in data[:MAX_CONNECT_HEAD]:
+        return Refused(431, INVALID_REQUEST, "the CONNECT head is too large")
+    connection = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_CONNECT_HEAD)
+    try:
+        connection.receive_data(data)
+        event = connection.next_event()
+    except h11.RemoteProtocolError as exc:
+        return Refused(400, INVALID_REQUEST, f"invalid CONNECT request: {exc}")
+    if not isinstance(event, h11.Request) or event.method != b"CONNECT":
+        return Refused(400, INVALID_REQUEST, "invalid CONNECT request")
+    try:
+        host, port = split_authority(event.target.decode("ascii"))
+    except (PolicyError, UnicodeDecodeError) as exc:
+        return Refused(400, INVALID_REQUEST, f"invalid CONNECT target: {exc}")
+    if port is None or not host:
+        return Refused(400, INVALID_REQUEST, "a CONNECT target is HOST:PORT")
+    rest, _ = connection.trailing_data
+    return host, port, bytes(rest)
+
+
+def _listening_socket(listener: Listener) -> socket.socket:
+    family = socket.AF_INET6 if ":" in listener.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((listener.host, listener.port))
+        sock.listen(_BACKLOG)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _peername(address: Any) -> tuple[str, int] | None:
+    if isinstance(address, tuple) and len(address) >= 2:
+        return (str(address[0]), int(address[1]))
+    return None
+
+
+async def _send(sock: socket.socket, data: bytes) -> None:
+    loop = asyncio.get_running_loop()
+    async with asyncio.timeout(10):
+        await loop.sock_sendall(sock, data)
