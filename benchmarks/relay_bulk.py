@@ -5,6 +5,9 @@ zero-copy splice against the asyncio copy against no relay at all (direct).
     .venv/bin/python benchmarks/relay_bulk.py --size-mib 256 --rounds 5
     .venv/bin/python benchmarks/relay_bulk.py --modes direct,splice,splice-64k,copy
 
+Modes: `direct` (source to sink, no relay), `splice` (the relay's default: pipes that grow to
+1 MiB), `splice-256k`, `splice-64k` (pipes capped there), `copy` (the asyncio copy).
+
 A source process sends `--size-mib` from a reusable buffer and a sink process reads it, each a
 subprocess of this script, so the relay (in this process, on the asyncio loop) is the only
 thing measured here. Rounds are interleaved (every mode once per round, the order rotating), and

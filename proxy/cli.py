@@ -97,6 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--admin", metavar="HOST:PORT", default="127.0.0.1:9901", help="/healthz /readyz /metrics"
     )
     run.add_argument(
+        "--mode",
+        choices=("explicit", "transparent"),
+        default="explicit",
+        help="explicit: clients name the proxy (HTTP, SOCKS5); transparent: connections are "
+        "redirected to --listen by netfilter and decided on their SNI or Host header",
+    )
+    run.add_argument(
         "--engine-only",
         action="store_true",
         help="serve every connection with the L7 engine (no fast path); for comparisons",
@@ -343,10 +350,14 @@ def cmd_run(args: argparse.Namespace, out: TextIO) -> int:
     # Imported here: check, explain and classify never load mitmproxy.
     from proxy import runtime
     from proxy.admin import parse_listen
-    from proxy.listen import check_listeners, parse_listener
+    from proxy.listen import Listener, check_listeners, parse_listener
 
     listen = [parse_listener(text) for text in args.listen or ["127.0.0.1:3128"]]
     check_listeners(listen)
+    if args.mode == "transparent":
+        if any(listener.scheme != "http" for listener in listen):
+            raise PolicyError("usage", "run: --mode transparent takes --listen HOST:PORT only")
+        listen = [Listener("transparent", x.host, x.port) for x in listen]
     admin = parse_listen(args.admin)
     # Everything is read and compiled before anything listens: a problem exits here.
     inputs = runtime.read_inputs(

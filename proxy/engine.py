@@ -71,6 +71,7 @@ from mitmproxy.net.http import http1 as mitm_http1
 from mitmproxy.net.http import url as mitm_url
 from mitmproxy.proxy import commands, events, layer, layers, mode_servers, mode_specs
 from mitmproxy.proxy import server as mitm_server
+from mitmproxy.proxy.layers import modes
 from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.layers.http import _http1 as mitm_http1_layer
 
@@ -560,6 +561,11 @@ class EgressAddon:
             ctx = {"method": request.method, "path": request.path}
             self._disarm_head_timer(self._clients.get(client.id))
             tunnel = self._tunnels.get(flow.server_conn.id)
+            if _transparent(client):
+                # Redirected plain HTTP: mitmproxy put the original destination (an address)
+                # in the request; the name is the Host header's, and the connection goes to a
+                # checked address of that name, never to the original destination.
+                host = self._transparent_host(request, client, **ctx)
             if tunnel is not None:
                 # A request inside an intercepted tunnel: it may only go where the tunnel goes.
                 protocol = "https"
@@ -598,6 +604,25 @@ class EgressAddon:
             flow.kill()
         else:
             flow.response = response
+
+    def _transparent_host(self, request: http.Request, client: Client, **ctx: Any) -> str:
+        header = request.headers.get_all("host")
+        name = None
+        if len(header) == 1:
+            with contextlib.suppress(ValueError):
+                name, _ = mitm_url.parse_authority(header[0], check=True)
+        if not name:
+            refused = Refused(
+                403, HOST_MISMATCH, "a redirected request needs exactly one valid Host header"
+            )
+            self._refusal(
+                refused, client, None, request.port, "http", stage="host", **ctx
+            )  # fmt: skip
+            raise refused
+        # Only the name moves into the request; the port stays the original destination's,
+        # and the Host check below compares the header's port with it.
+        request.data.host = name
+        return name
 
     def _check_tunnel_request(
         self, request: http.Request, tunnel: _Tunnel, client: Client, **ctx: Any
@@ -674,7 +699,14 @@ class EgressAddon:
         tunnel = None
         try:
             tunnel = self._tunnels.get(context.server.id) if context.server is not None else None
-            if tunnel is None or nextlayer.layer is not None:
+            if nextlayer.layer is not None:
+                return
+            if tunnel is None:
+                top = context.layers[-1] if context.layers else None
+                if _transparent(context.client) and isinstance(top, modes.TransparentProxy):
+                    # A redirected connection handed over by the front door, which keeps TLS
+                    # to itself: only HTTP here, decided per request on its Host header.
+                    nextlayer.layer = layers.HttpLayer(context, HTTPMode.transparent)
                 return
             if tunnel.decided:
                 # Past the gate, only an intercepted tunnel asks again (for what its TLS
@@ -738,7 +770,10 @@ class EgressAddon:
         """True when the layer decision of this context is ours alone (one of our tunnels), and
         True when that cannot be told (fail closed: mitmproxy's NextLayer could pick raw TCP)."""
         try:
-            server = nextlayer.context.server
+            context = nextlayer.context
+            if _transparent(context.client):
+                return True
+            server = context.server
             return server is not None and server.id in self._tunnels
         except Exception:
             return True
@@ -940,8 +975,12 @@ def _make_socks5_layer(self: Any, context: Any) -> layer.Layer:
 def _mode_spec(listener: Listener) -> str:
     """mitmproxy's mode spec for a listener: `regular@HOST:PORT` or `socks5@HOST:PORT` (an
     IPv6 host unbracketed: mitmproxy splits host and port at the last colon)."""
-    mode = "regular" if listener.scheme == "http" else "socks5"
+    mode = {"http": "regular", "socks5": "socks5", "transparent": "transparent"}[listener.scheme]
     return f"{mode}@{listener.host}:{listener.port}"
+
+
+def _transparent(client: Client) -> bool:
+    return isinstance(client.proxy_mode, mode_specs.TransparentMode)
 
 
 def _peer(client: Client) -> Peer:

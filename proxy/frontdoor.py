@@ -36,22 +36,30 @@ import h11
 from policy import PolicyError
 from policy.urls import split_authority
 from proxy.audit import CloseEvent
+from proxy.clienthello import ClientHelloError, parse_client_hello, starts_like_tls
 from proxy.dialing import UpstreamError, connect_socket, dial_checked
 from proxy.errors import ProxyError
 from proxy.listen import Listener
 from proxy.refusals import (
     HEADER_TIMEOUT,
+    INSPECTION_UNSUPPORTED,
+    INVALID_CLIENT_HELLO,
     INVALID_REQUEST,
+    NO_ORIGINAL_DESTINATION,
     OVERLOAD,
     POLICY_RELOAD,
+    PROXY_LOOP,
+    SNI_MISMATCH,
+    SNI_MISSING,
     UPSTREAM_TIMEOUT,
     Refused,
     authority,
     refusal_response,
+    shown,
 )
 from proxy.relay import Counter, relay
 from proxy.sni_gate import GateOutcome, check_hello
-from proxy.vetting import Peer, Vetter
+from proxy.vetting import Peer, Vetter, canonical_host
 
 if TYPE_CHECKING:
     from policy import Policy
@@ -175,6 +183,13 @@ class FrontDoor:
                 closed.append(connection)
         return closed
 
+    def _is_own(self, address: str, port: int) -> bool:
+        """Whether address:port is one of our listeners (a wildcard one on any address)."""
+        return any(
+            listener.port == port and listener.host in (address, "0.0.0.0", "::")
+            for listener in self.listeners
+        )
+
     def _close_servers(self) -> None:
         for sock in self._servers:
             with contextlib.suppress(OSError):
@@ -216,6 +231,9 @@ class FrontDoor:
                 return
             if listener.scheme == "socks5":
                 await self._hand_off(sock, b"", "socks5")
+                return
+            if listener.scheme == "transparent":
+                await self._serve_transparent(sock, accepted)
                 return
             await self._serve_http(sock, accepted)
         except asyncio.CancelledError:
@@ -271,6 +289,78 @@ class FrontDoor:
             return
         await self._tunnel(sock, accepted, target, host, port, rest, decision)
 
+    async def _serve_transparent(self, sock: socket.socket, accepted: _Accepted) -> None:
+        """A connection redirected to us (netfilter REDIRECT/DNAT; `--mode transparent`): TLS is
+        decided on its SNI and relayed to a checked address of that name, never to the original
+        destination, which is read only for its port; anything else goes to the engine, which
+        decides plain HTTP on its Host header. No SNI and no Host: refused."""
+        peer = accepted.peer
+        try:
+            original = original_destination(sock)
+            if original == sock.getsockname()[:2]:
+                # conntrack knows every connection, redirected or not: one that reached our
+                # port directly names the port itself, and dialling that would loop.
+                raise OSError("the connection was not redirected")
+            _, port = original
+        except OSError as exc:
+            refused = Refused(
+                403,
+                NO_ORIGINAL_DESTINATION,
+                f"no original destination (not a redirected connection?): {exc.strerror or exc}",
+            )
+            self.vetter.refusal(refused, peer, None, None, "tls", stage="accept")
+            return
+        loop = asyncio.get_running_loop()
+        data = b""
+        hello = None
+        refused = None
+        try:
+            async with asyncio.timeout(self.config.limits.header_timeout):
+                while hello is None:
+                    chunk = await loop.sock_recv(sock, _READ)
+                    if not chunk:
+                        return
+                    data += chunk
+                    if not starts_like_tls(data[:3]):
+                        break
+                    try:
+                        hello = parse_client_hello(data)
+                    except ClientHelloError as exc:
+                        refused = Refused(
+                            403, INVALID_CLIENT_HELLO, f"invalid TLS ClientHello: {exc.message}"
+                        )
+                        break
+        except TimeoutError:
+            refused = Refused(408, HEADER_TIMEOUT, "no request head within the time limit")
+        if refused is None and hello is None:
+            await self._hand_off(sock, data, "transparent")  # plain HTTP: the engine's
+            return
+        if refused is None and hello is not None and not hello.sni:
+            refused = Refused(403, SNI_MISSING, "the ClientHello has no SNI")
+        if refused is not None or hello is None or not hello.sni:
+            assert refused is not None
+            self.vetter.refusal(refused, peer, None, port, "tls", stage="sni")
+            return
+        host = canonical_host(hello.sni)
+        if host.startswith("\0"):
+            refused = Refused(403, SNI_MISMATCH, f"SNI {shown(hello.sni)!r} is not a host name")
+            self.vetter.refusal(refused, peer, None, port, "tls", stage="sni", sni=hello.sni)
+            return
+        target = authority(host, port)
+        decision = self.vetter.policy.decide(target)
+        if decision.allowed and decision.needs_inspection:
+            refused = Refused(
+                403,
+                INSPECTION_UNSUPPORTED,
+                "this host's rules need TLS inspection, which transparent mode does not do; "
+                "use the explicit proxy",
+            )
+            self.vetter.refusal(refused, peer, host, port, "tls", stage="name", sni=hello.sni)
+            return
+        await self._tunnel(
+            sock, accepted, target, host, port, b"", decision, hello=data, sni=hello.sni
+        )
+
     async def _tunnel(
         self,
         sock: socket.socket,
@@ -280,12 +370,18 @@ class FrontDoor:
         port: int,
         rest: bytes,
         decision: Any,
+        *,
+        hello: bytes | None = None,
+        sni: str | None = None,
     ) -> None:
+        """The fast path for one tunnel. Explicit (`hello` None): answer the CONNECT, then the
+        SNI gate on the ClientHello read after the 200. Transparent: `hello` was already read
+        and decided on, and nothing is answered."""
         peer = accepted.peer
+        protocol = "connect" if hello is None else "tls"
         if self.metrics is not None:
-            self.metrics.connection_opened("l4", "connect")
+            self.metrics.connection_opened("l4", protocol)
         upstream: socket.socket | None = None
-        sni: str | None = None
         counter = Counter()
         reason = "closed"
         pinned: tuple[str, ...] = ()
@@ -293,12 +389,18 @@ class FrontDoor:
         upstream_address: str | None = None
         try:
             try:
+                context: dict[str, Any] = {"method": "CONNECT"} if hello is None else {"sni": sni}
                 vetted = await self.vetter.vet(
-                    target, port, peer, "connect", inspecting=False, decision=decision,
-                    method="CONNECT",
-                )  # fmt: skip
+                    target, port, peer, protocol, inspecting=False, decision=decision, **context
+                )
                 pinned = vetted.pinned
                 name = vetted.decision.host
+                if any(self._is_own(address, port) for address in pinned):
+                    refused = Refused(
+                        403, PROXY_LOOP, f"{authority(name, port)} is this proxy's own listener"
+                    )
+                    self.vetter.refusal(refused, peer, name, port, protocol, stage="address")
+                    raise refused
                 try:
                     upstream = await dial_checked(
                         name,
@@ -313,23 +415,27 @@ class FrontDoor:
                 except UpstreamError as exc:
                     status = 504 if exc.reason == UPSTREAM_TIMEOUT else 502
                     refused = Refused(status, exc.reason, exc.message, error=True)
-                    self.vetter.refusal(refused, peer, name, port, "connect", stage="upstream")
+                    self.vetter.refusal(refused, peer, name, port, protocol, stage="upstream")
                     raise refused from None
             except Refused as refused:
                 reason = refused.reason
-                await _send(sock, refusal_response(refused, host, port))
+                if hello is None:  # a transparent client asked nothing it could be answered
+                    await _send(sock, refusal_response(refused, host, port))
                 return
-            await _send(sock, _ESTABLISHED)
-            hello, gate = await self._client_hello(sock, name, rest)
-            sni = gate.sni
-            if gate.refused is not None:
-                reason = gate.refused.reason
-                self.vetter.refusal(gate.refused, peer, name, port, "connect", stage="sni", sni=sni)
-                return
-            if isinstance(gate, _Gone):
-                reason = "client_closed"
-                return
-            self.vetter.allowed(peer, "connect", stage="sni", host=name, port=port, sni=sni)
+            if hello is None:
+                await _send(sock, _ESTABLISHED)
+                hello, gate = await self._client_hello(sock, name, rest)
+                sni = gate.sni
+                if gate.refused is not None:
+                    reason = gate.refused.reason
+                    self.vetter.refusal(
+                        gate.refused, peer, name, port, protocol, stage="sni", sni=sni
+                    )
+                    return
+                if isinstance(gate, _Gone):
+                    reason = "client_closed"
+                    return
+            self.vetter.allowed(peer, protocol, stage="sni", host=name, port=port, sni=sni)
             task = asyncio.current_task()
             assert task is not None
             tunnel = _Tunnel(task, target, pinned)
@@ -352,7 +458,9 @@ class FrontDoor:
             if upstream is not None:
                 with contextlib.suppress(OSError):
                     upstream.close()
-            self._closed(accepted, name, port, sni, upstream_address, counter, reason, pinned)
+            self._closed(
+                accepted, name, port, sni, upstream_address, counter, reason, pinned, protocol
+            )
 
     async def _client_hello(
         self, sock: socket.socket, host: str, data: bytes
@@ -400,6 +508,7 @@ class FrontDoor:
         counter: Counter,
         reason: str,
         pinned: tuple[str, ...],
+        protocol: str,
     ) -> None:
         duration = time.monotonic() - accepted.opened
         if self.metrics is not None:
@@ -410,7 +519,7 @@ class FrontDoor:
                     host=host,
                     port=port,
                     plane="l4",
-                    protocol="connect",
+                    protocol=protocol,
                     client=accepted.peer.client,
                     connection=accepted.peer.connection,
                     sni=sni,
@@ -452,6 +561,21 @@ def _parse_connect(data: bytes) -> tuple[str, int, bytes] | Refused:
         return Refused(400, INVALID_REQUEST, "a CONNECT target is HOST:PORT")
     rest, _ = connection.trailing_data
     return host, port, bytes(rest)
+
+
+SO_ORIGINAL_DST = 80  # linux/netfilter_ipv4.h; IP6T_SO_ORIGINAL_DST has the same number
+
+
+def original_destination(sock: socket.socket) -> tuple[str, int]:
+    """Where a redirected connection was going (netfilter's conntrack), v4 or v6. Raises
+    OSError for a connection that was not redirected."""
+    if sock.family == socket.AF_INET6:
+        raw = sock.getsockopt(socket.IPPROTO_IPV6, SO_ORIGINAL_DST, 28)  # sockaddr_in6
+        port = int.from_bytes(raw[2:4], "big")
+        address = socket.inet_ntop(socket.AF_INET6, raw[8:24])
+        return address, port
+    raw = sock.getsockopt(socket.SOL_IP, SO_ORIGINAL_DST, 16)  # sockaddr_in
+    return socket.inet_ntop(socket.AF_INET, raw[4:8]), int.from_bytes(raw[2:4], "big")
 
 
 def _listening_socket(listener: Listener) -> socket.socket:

@@ -13,7 +13,9 @@ SCHEMES = ("http", "socks5")
 
 @dataclass(frozen=True, slots=True)
 class Listener:
-    scheme: str  # "http" (explicit HTTP proxy: CONNECT and plain HTTP) or "socks5"
+    # "http" (explicit HTTP proxy: CONNECT and plain HTTP), "socks5", or "transparent"
+    # (redirected connections, `--mode transparent`).
+    scheme: str
     host: str
     port: int
 

@@ -28,6 +28,7 @@ OVERLOAD = "overload"
 HEADER_TIMEOUT = "header_timeout"
 POLICY_RELOAD = "policy_reload"
 NO_ORIGINAL_DESTINATION = "no_original_destination"
+PROXY_LOOP = "proxy_loop"  # a destination that is one of the proxy's own listeners
 INTERNAL_ERROR = d.INTERNAL_ERROR
 
 DENIED_HEADER = "X-Egress-Denied"

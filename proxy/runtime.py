@@ -407,6 +407,8 @@ def _listening(listeners: Sequence[Listener]) -> str:
 
 def _try_it(listener: Listener) -> str:
     where = format_listen(listener.host, listener.port)
+    if listener.scheme == "transparent":
+        return f"redirect the session's TCP to {where} (nft ... tcp dport {{80, 443}} redirect)"
     option = "-x http://" if listener.scheme == "http" else "--socks5-hostname "
     return f"curl {option}{where} https://pypi.org/simple/"
 

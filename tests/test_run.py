@@ -40,7 +40,6 @@ NARROWED = "tenant: test\negress: [other.test]\n"
 PATHS = "schema_version: 1\nnetwork_access:\n  allowed: ['https://up.test/api/']\n"
 
 
-
 @pytest.fixture
 def upstream() -> Iterator[HTTPUpstream]:
     with http_upstream() as server:

@@ -1,0 +1,103 @@
+"""`egress-proxy run --mode transparent` in a network namespace the test creates (root only):
+nftables redirects the namespace's TCP to 127.0.0.5 and fd00:5::5 (addresses of that namespace)
+to the proxy, which decides TLS on the SNI and plain HTTP on the Host header, reads the original
+destination (SO_ORIGINAL_DST, v4 and v6) only for its port, and connects to the addresses it
+checked for the name. Skips with the reason when not root or without `ip` / `nft`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+IP, NFT = shutil.which("ip"), shutil.which("nft")
+
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create a network namespace"),
+    pytest.mark.skipif(IP is None, reason="needs iproute2 (ip)"),
+    pytest.mark.skipif(NFT is None, reason="needs nftables (nft)"),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(*args: str, namespace: str | None = None, input: str | None = None) -> str:
+    command = [*([str(IP), "netns", "exec", namespace] if namespace else []), *args]
+    done = subprocess.run(command, input=input, capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:
+        raise AssertionError(f"{' '.join(command)}: {done.stderr or done.stdout}")
+    return done.stdout
+
+
+def test_transparent_mode_decides_on_sni_and_host(tmp_path: Path) -> None:
+    namespace = f"egress-t-{uuid.uuid4().hex[:8]}"
+    proxy_port, tls_port, http_port = 15001, free_port(), free_port()
+    run(str(IP), "netns", "add", namespace)
+    try:
+        run(str(IP), "link", "set", "lo", "up", namespace=namespace)
+        run(str(IP), "-6", "addr", "add", "fd00:5::5/128", "dev", "lo", namespace=namespace)
+        rules = f"""
+table inet egress_test {{
+  chain out {{
+    type nat hook output priority -100; policy accept;
+    ip daddr 127.0.0.5 tcp dport {{ {tls_port}, {http_port} }} redirect to :{proxy_port}
+    ip6 daddr fd00:5::5 tcp dport {{ {tls_port}, {http_port} }} redirect to :{proxy_port}
+  }}
+}}
+"""
+        run(str(NFT), "-f", "-", namespace=namespace, input=rules)
+        out = run(
+            sys.executable,
+            str(ROOT / "tests" / "transparent_scenario.py"),
+            str(proxy_port),
+            str(tls_port),
+            str(http_port),
+            str(tmp_path),
+            namespace=namespace,
+        )
+    finally:
+        subprocess.run([str(IP), "netns", "delete", namespace], capture_output=True, timeout=30)
+    results = json.loads(out.strip().splitlines()[-1])
+    assert "start" not in results, results.get("start")
+    diagnostics = results["stderr"]
+
+    # TLS: decided on the SNI, relayed to the checked address of the name (127.0.0.1 or ::1),
+    # over IPv4 and IPv6 originals alike; the client verified the real certificate.
+    assert results["tls_v4"] == {"ok": True, "status": "200"}, diagnostics
+    assert results["tls_v6"] == {"ok": True, "status": "200"}, diagnostics
+    assert results["upstream_connections"]["tls"] + results["upstream_connections"]["tls6"] == 2
+    # A name outside the policy, and a ClientHello without SNI: closed, never resolved.
+    assert results["tls_denied"]["ok"] is False
+    assert results["tls_no_sni"]["ok"] is False
+    assert results["dns_denied_queries"] == 0
+    # Plain HTTP: decided on the Host header by the engine, connected to the name's address.
+    assert results["http_allowed"]["status"] == "200", diagnostics
+    assert results["upstream_hosts"]["http"] == [f"web.test:{http_port}"]
+    assert results["http_denied"]["status"] == "403"
+    assert results["http_denied"]["denied"] == ["not_allowed"]
+    assert results["http_no_host"]["status"] == "403"
+    assert results["http_no_host"]["denied"] == ["host_mismatch"]
+    # Not redirected at all: no original destination, closed.
+    assert results["not_redirected"]["ok"] is False
+
+    decisions = [x for x in results["audit"] if x["event"] == "decision"]
+    reasons = {(x["plane"], x["protocol"], x["decision"], x["reason"]) for x in decisions}
+    assert ("l4", "tls", "allow", "allowed") in reasons
+    assert ("l4", "tls", "deny", "not_allowed") in reasons
+    assert ("l4", "tls", "deny", "sni_missing") in reasons
+    assert ("l4", "tls", "deny", "no_original_destination") in reasons
+    assert ("l7", "http", "deny", "not_allowed") in reasons
+    allowed = [x for x in decisions if x["protocol"] == "tls" and x["stage"] == "address"]
+    assert all(x["host"] == "tls.test" for x in allowed)
