@@ -314,7 +314,7 @@ def _server_name(ext: bytes) -> str:
     name_end = 5 + _U16(ext, 3)[0]
     if name_end < n:
         raise _invalid("server_name_count", "server_name list holds more than one name")
-    if False:
+    if ext[2] != _HOST_NAME:
         raise _invalid("server_name_type", f"server_name type {ext[2]}, not host_name (0)")
     name = ext[5:name_end]
     if not _valid_host_name(name):

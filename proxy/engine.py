@@ -1029,9 +1029,10 @@ class Engine:
         self._instances: dict[str, mode_servers.ServerInstance[Any]] = {}
 
     def prepare(self) -> CertificateAuthority | None:
-        """What must work before anything listens: with inspection enabled, the CA (created on
-        first start) and the operator's upstream bundle. Raises ProxyError('ca_error')."""
-        if not self.config.operator.inspection_enabled:
+        """What must work before anything listens: when inspection is enabled and the policy
+        has URL-prefix rules (only then can a host need inspection), the CA (created on first
+        start) and the operator's upstream bundle. Raises ProxyError('ca_error')."""
+        if not (self.config.operator.inspection_enabled and self.policy.has_url_rules):
             return None
         if self.ca is None:
             if self.config.upstream_ca:

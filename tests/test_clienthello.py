@@ -721,6 +721,27 @@ def test_the_error_is_a_value_error_with_a_reason() -> None:
     assert caught.value.reason == NOT_TLS
 
 
+def test_every_truncation_inside_a_complete_message_is_refused() -> None:
+    """The handshake length matches what is there, the vectors inside run past it."""
+    body = hello_body(BASE_EXTENSIONS)
+    for cut in range(len(body)):
+        data = records(handshake(body[:cut]))
+        compare(data)
+        if cut == len(hello_body(None)):  # a hello without the extension block: well-formed
+            hello = parse_client_hello(data)
+            assert hello is not None and hello.extensions == ()
+            continue
+        with pytest.raises(ClientHelloError) as caught:
+            parse_client_hello(data)
+        assert caught.value.reason == INVALID_CLIENT_HELLO, (cut, caught.value)
+
+
+def test_every_byte_of_a_hello_changed() -> None:
+    for at in range(len(GOOD)):
+        for bits in (0x01, 0x80, 0xFF):
+            compare(GOOD[:at] + bytes([GOOD[at] ^ bits]) + GOOD[at + 1 :])
+
+
 # ---------------------------------------------------------------------------------------------
 # Bounded work
 
@@ -735,18 +756,20 @@ def _best_of(fn: Callable[[], object], runs: int = 5) -> float:
 
 
 def test_work_grows_linearly_with_the_number_of_records() -> None:
-    """One-byte records, the worst framing: ten times the records, about ten times the work
-    (mitmproxy's reassembly is quadratic here)."""
+    """One-byte records, the worst framing, up to the cap: ten times the records, about ten
+    times the work (work per record that grows with the records so far shows as ~100 times).
+    Quadratic byte copying stays below this test's noise: the cap bounds it to milliseconds."""
 
     def hello_of(size: int) -> bytes:
         return records(handshake(hello_body([(21, bytes(size))])), [1])
 
     small, large = hello_of(1000), hello_of(10000)
+    assert len(large) < MAX_CLIENT_HELLO
     assert parse_client_hello(small) is not None and parse_client_hello(large) is not None
-    ratio = _best_of(lambda: parse_client_hello(large)) / _best_of(
-        lambda: parse_client_hello(small)
-    )
-    assert ratio < 25, ratio
+    slow = _best_of(lambda: parse_client_hello(large))
+    ratio = slow / _best_of(lambda: parse_client_hello(small))
+    assert ratio < 30, ratio
+    assert slow < 0.5, slow
 
 
 def test_bytes_past_the_hello_or_the_cap_are_not_read() -> None:
