@@ -281,7 +281,9 @@ class RunningProxy:
     `ceiling=None` passes no `--ceiling`. `config=None` writes `make_config(dns, allow=allow,
     extra=config_extra)`; a string is written as is. `listen` / `admin` default to port 0
     (a free port, read back from the "listening on" line). `audit=False` leaves the audit
-    lines on stdout (`files.stdout`) instead of `--audit-log`."""
+    lines on stdout (`files.stdout`) instead of `--audit-log`. `python_flags` go to the
+    interpreter, before `-m proxy` (`("-X", "importtime")` lists every import on stderr:
+    `imported_modules`)."""
 
     directory: Path
     manifest: str
@@ -295,6 +297,7 @@ class RunningProxy:
     admin: str = f"{LOOPBACK}:0"
     audit_to_file: bool = True
     args: Sequence[str] = ()
+    python_flags: Sequence[str] = ()
     wait: bool = True
     ready_timeout: float = READY_TIMEOUT
 
@@ -317,7 +320,8 @@ class RunningProxy:
     # -- life cycle ------------------------------------------------------------------------------
 
     def command(self) -> list[str]:
-        command = [sys.executable, "-m", "proxy", "run", str(self.files.manifest)]
+        command = [sys.executable, *self.python_flags, "-m", "proxy"]
+        command += ["run", str(self.files.manifest)]
         if self.ceiling is not None:
             command += ["--ceiling", str(self.files.ceiling)]
         command += ["--config", str(self.files.config)]
@@ -444,6 +448,15 @@ class RunningProxy:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
         raise AssertionError(f"no VmRSS in /proc/{self.pid}/status")
+
+
+_IMPORT_TIME = re.compile(r"^import time:\s+\d+ \|\s+\d+ \|\s+(\S+)$", re.MULTILINE)
+
+
+def imported_modules(stderr: str) -> list[str]:
+    """The modules a process started with `-X importtime` imported, in the order their imports
+    finished, from what it wrote on stderr so far."""
+    return _IMPORT_TIME.findall(stderr)
 
 
 def metric_value(metrics: str, name: str, **labels: str) -> float | None:

@@ -1,0 +1,151 @@
+"""mitmproxy is loaded only when the session needs it (issue 4), proved on the real
+`egress-proxy run` process: started under `python -X importtime`, whose stderr lists every module
+as its import finishes, so what the process imported so far can be read at any moment.
+
+- A plain agent.yaml session serves CONNECT tunnels (allowed and denied) on the fast path without
+  importing any mitmproxy module (`egress_engine_loaded 0`); its first plain-HTTP request loads
+  the engine (`egress_engine_loaded 1`) and is served.
+- A manifest with URL-prefix rules loads the engine at start, before any connection.
+- `--engine-only` serves CONNECT with the engine itself (audit plane l7).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from dns_server import DNSServer
+from running import (
+    HELLO,
+    HTTPUpstream,
+    RunningProxy,
+    curl,
+    http_upstream,
+    imported_modules,
+    metric_value,
+    wait_for,
+)
+from test_clients import TLS_BODY, TLSUpstream, tls_upstream
+
+MANIFEST = "network:\n  egress: [tls.test, up.test]\n"
+# agent.toml's schema written in YAML (the harness names the file agent.yaml): a URL prefix.
+PATHS = "schema_version: 1\nnetwork_access:\n  allowed: ['https://up.test/api/', 'tls.test']\n"
+IMPORTTIME = ("-X", "importtime")
+
+
+@pytest.fixture
+def dns(dns: DNSServer) -> DNSServer:
+    for name in ("tls.test", "up.test", "denied.test"):
+        dns.set(name, a=["127.0.0.1"])
+    return dns
+
+
+@pytest.fixture
+def upstream(tmp_path: Path) -> Iterator[TLSUpstream]:
+    with tls_upstream(tmp_path) as server:
+        yield server
+
+
+@pytest.fixture
+def web() -> Iterator[HTTPUpstream]:
+    with http_upstream() as server:
+        yield server
+
+
+def mitmproxy_modules(proxy: RunningProxy) -> list[str]:
+    return [m for m in imported_modules(proxy.stderr()) if m.split(".")[0] == "mitmproxy"]
+
+
+def engine_loaded(proxy: RunningProxy) -> float | None:
+    return metric_value(proxy.metrics(), "egress_engine_loaded")
+
+
+def test_a_passthrough_session_never_imports_mitmproxy(
+    tmp_path: Path, dns: DNSServer, upstream: TLSUpstream, web: HTTPUpstream
+) -> None:
+    with RunningProxy(
+        tmp_path / "run",
+        MANIFEST,
+        dns=dns,
+        python_flags=IMPORTTIME,
+        config_extra=f"inspection:\n  ca_dir: {tmp_path / 'ca'}\n",
+    ) as proxy:
+        assert "proxy.frontdoor" in imported_modules(proxy.stderr())  # the flag took effect
+        # An allowed tunnel: the client verifies the upstream's own certificate.
+        url = f"https://tls.test:{upstream.port}/"
+        allowed = curl(proxy.port, url, "--cacert", str(upstream.ca_file))
+        assert (allowed.connect_status, allowed.status) == (200, 200), allowed.stderr
+        assert allowed.body == TLS_BODY.decode()
+        # A denied one.
+        denied = curl(proxy.port, "https://denied.test/")
+        assert denied.connect_status == 403
+        assert denied.headers["x-egress-denied"] == "not_allowed"
+        wait_for(lambda: len(proxy.closes()) == 2, what="two close lines")
+        assert mitmproxy_modules(proxy) == []
+        assert engine_loaded(proxy) == 0
+        assert not (tmp_path / "ca").exists()  # nor was the inspection CA made
+        assert {(x["plane"], x["host"]) for x in proxy.closes()} == {
+            ("l4", "tls.test"),
+            ("l4", "denied.test"),
+        }
+
+        # The first plain-HTTP request needs the engine: loaded now, and served.
+        served = curl(proxy.port, f"http://up.test:{web.port}/plain")
+        assert (served.status, served.body) == (200, HELLO.decode()), served.stderr
+        assert web.requests == ["/plain"]
+        modules = mitmproxy_modules(proxy)
+        assert "mitmproxy" in modules and "mitmproxy.master" in modules
+        assert engine_loaded(proxy) == 1
+        wait_for(lambda: len(proxy.closes()) == 3, what="the plain-HTTP close line")
+        plain = [x for x in proxy.audit() if x["host"] == "up.test"]
+        assert plain and {x["plane"] for x in plain} == {"l7"}
+        assert [x["reason"] for x in plain if x.get("stage") == "name"] == ["allowed"]
+    assert proxy.returncode == 0
+
+
+def test_url_prefix_rules_load_the_engine_at_start(tmp_path: Path, dns: DNSServer) -> None:
+    with RunningProxy(
+        tmp_path / "run",
+        PATHS,
+        dns=dns,
+        python_flags=IMPORTTIME,
+        config_extra=f"inspection:\n  ca_dir: {tmp_path / 'ca'}\n",
+    ) as proxy:
+        # Before any connection: the engine, its imports and its CA are there.
+        assert engine_loaded(proxy) == 1
+        assert "mitmproxy.master" in mitmproxy_modules(proxy)
+        assert (tmp_path / "ca" / "mitmproxy-ca-cert.pem").exists()
+        assert proxy.audit() == []
+    assert proxy.returncode == 0
+
+
+def test_engine_only_serves_connect_on_the_l7_plane(
+    tmp_path: Path, dns: DNSServer, upstream: TLSUpstream
+) -> None:
+    with RunningProxy(
+        tmp_path / "run",
+        MANIFEST,
+        dns=dns,
+        args=("--engine-only",),
+        config_extra=f"inspection:\n  ca_dir: {tmp_path / 'ca'}\n",
+    ) as proxy:
+        assert engine_loaded(proxy) == 1
+        url = f"https://tls.test:{upstream.port}/"
+        allowed = curl(proxy.port, url, "--cacert", str(upstream.ca_file))
+        assert (allowed.connect_status, allowed.status) == (200, 200), allowed.stderr
+        assert allowed.body == TLS_BODY.decode()
+        denied = curl(proxy.port, "https://denied.test/")
+        assert denied.connect_status == 403
+        assert denied.headers["x-egress-denied"] == "not_allowed"
+        wait_for(lambda: len(proxy.closes()) == 2, what="two close lines")
+        lines = proxy.audit()
+        assert {(x["plane"], x["protocol"]) for x in lines} == {("l7", "connect")}
+        gate = next(x for x in lines if x.get("stage") == "sni")
+        assert (gate["decision"], gate["sni"]) == ("allow", "tls.test")
+        close = next(x for x in proxy.closes() if x["host"] == "tls.test")
+        assert close["upstream"] == f"127.0.0.1:{upstream.port}" and close["bytes_down"] > 0
+        metrics = proxy.metrics()
+        assert metric_value(metrics, "egress_connections_total", plane="l7") == 2
+        assert metric_value(metrics, "egress_connections_total", plane="l4") is None
+    assert proxy.returncode == 0
