@@ -38,6 +38,7 @@ import json
 import os
 import platform
 import re
+import select
 import shlex
 import signal
 import socket
@@ -72,6 +73,7 @@ MB = 1_000_000  # decimal: MB/s and RSS MB
 MIB = 1 << 20
 GIB = 1 << 30
 CHUNK = MIB  # bulk writes and reads
+BULK_WARMUP = 64 * MIB  # moved through a tunnel of its own before each bulk measurement
 CLIENTS = 16
 READY_TIMEOUT = 30.0  # start-up: until listening and /readyz 200
 STOP_TIMEOUT = 15.0  # SIGTERM drains for at most 5 s
@@ -227,6 +229,9 @@ def _bulk_connection(sock: socket.socket) -> None:
         sock.sendall(READY)
         command = recv_exact(sock, 9)
         size = struct.unpack("!Q", command[1:])[0]
+        # Blocking without a timeout from here (a timeout adds a poll() to every call); the
+        # client's deadline and this process's lifetime bound the transfer.
+        sock.settimeout(None)
         if command[:1] == b"U":
             total = 0
             while total < size and (n := sock.recv_into(buffer)):
@@ -292,8 +297,11 @@ def upstream_main(loop_name: str) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# The client process: `tunnels.py --role client`, one job (JSON on stdin) per configuration and
-# round, the result (JSON) on stdout.
+# The client process: `tunnels.py --role client`. One phase per process: it reads its job (a
+# JSON line) on stdin, gets ready (warm-up tunnels, if asked), prints {"ready": true}, waits for
+# a "go" line, runs the phase and prints the result (a JSON line). The orchestrator reads the
+# proxy's and the upstream's CPU between "go" and the results, when nothing else runs, and
+# starts several client processes for the rate phase, released together.
 
 
 class _TunnelClient(asyncio.Protocol):
@@ -342,27 +350,25 @@ class _TunnelClient(asyncio.Protocol):
 
 
 @dataclass
-class _Job:
+class _Target:
     address: tuple[str, int]  # where the client connects: the proxy, or the upstream (direct)
     head: bytes | None  # the CONNECT request, or None (direct)
-    bulk_address: tuple[str, int]
-    bulk_head: bytes | None
     hello: bytes
 
 
-async def _one_tunnel(job: _Job) -> float:
+async def _one_tunnel(target: _Target) -> float:
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
     start = time.perf_counter()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setblocking(False)
-        await loop.sock_connect(sock, job.address)
+        await loop.sock_connect(sock, target.address)
     except BaseException:
         sock.close()
         raise
     transport, _ = await loop.create_connection(
-        lambda: _TunnelClient(job.head, job.hello, done), sock=sock
+        lambda: _TunnelClient(target.head, target.hello, done), sock=sock
     )
     try:
         await done
@@ -371,50 +377,24 @@ async def _one_tunnel(job: _Job) -> float:
         transport.close()
 
 
-@dataclass
-class _CPU:
-    """CPU seconds of the proxy, the upstream and this process at one moment."""
-
-    proxy: float | None
-    upstream: float | None
-    client: float
-
-    @classmethod
-    def now(cls, proxy_pid: int | None, upstream_pid: int) -> _CPU:
-        return cls(proc_cpu(proxy_pid), proc_cpu(upstream_pid), time.process_time())
-
-    def since(self, before: _CPU) -> dict[str, float | None]:
-        return {
-            "proxy_cpu_s": None
-            if self.proxy is None or before.proxy is None
-            else self.proxy - before.proxy,
-            "upstream_cpu_s": None
-            if self.upstream is None or before.upstream is None
-            else self.upstream - before.upstream,
-            "client_cpu_s": self.client - before.client,
-        }
-
-
-async def _tunnel_phase(
-    job: _Job, clients: int, count: int, seconds: float, pids: tuple[int | None, int]
-) -> dict[str, Any]:
+async def _tunnels(target: _Target, clients: int, count: int, seconds: float) -> dict[str, Any]:
     """`count` tunnels (or as many as `seconds` allow) by `clients` concurrent workers."""
     latencies: list[float] = []
     errors: list[str] = []
     started = 0
-    deadline = time.perf_counter() + seconds
+    cpu0 = time.process_time()
+    t0 = time.monotonic()
+    deadline = t0 + seconds
 
     async def worker() -> None:
         nonlocal started
-        while started < count and time.perf_counter() < deadline and len(errors) < 50:
+        while started < count and time.monotonic() < deadline and len(errors) < 50:
             started += 1
             try:
-                latencies.append(await _one_tunnel(job))
+                latencies.append(await _one_tunnel(target))
             except (OSError, ConnectionError) as exc:
                 errors.append(f"{type(exc).__name__}: {exc}")
 
-    cpu0 = _CPU.now(*pids)
-    t0 = time.perf_counter()
     tasks = [asyncio.ensure_future(worker()) for _ in range(clients)]
     # Past the deadline no tunnel starts; one in flight gets SOCKET_TIMEOUT to finish.
     _, pending = await asyncio.wait(tasks, timeout=seconds + SOCKET_TIMEOUT)
@@ -423,39 +403,23 @@ async def _tunnel_phase(
     if pending:
         await asyncio.wait(pending, timeout=5)
         errors.append(f"{len(pending)} client(s) stuck past the time limit")
-    wall = time.perf_counter() - t0
-    cpu = _CPU.now(*pids).since(cpu0)
-    latencies_ms = sorted(x * 1e3 for x in latencies)
-    done = len(latencies)
-    out: dict[str, Any] = {
-        "clients": clients,
-        "tunnels": done,
+    return {
+        "start": t0,
+        "end": time.monotonic(),
+        "tunnels": len(latencies),
         "errors": len(errors),
         "first_errors": errors[:3],
-        "seconds": wall,
-        "tunnels_per_s": done / wall if wall > 0 else 0.0,
-        **cpu,
+        "latencies_ms": [round(x * 1e3, 4) for x in latencies],
+        "client_cpu_s": time.process_time() - cpu0,
     }
-    if latencies_ms:
-        out["latency_ms"] = {
-            "p50": percentile(latencies_ms, 50),
-            "p90": percentile(latencies_ms, 90),
-            "p99": percentile(latencies_ms, 99),
-            "max": latencies_ms[-1],
-            "mean": statistics.fmean(latencies_ms),
-        }
-    for who in ("proxy", "upstream", "client"):
-        value = cpu[f"{who}_cpu_s"]
-        out[f"{who}_cpu_us_per_tunnel"] = None if value is None or not done else value / done * 1e6
-    return out
 
 
-def _open_tunnel(address: tuple[str, int], head: bytes | None, hello: bytes) -> socket.socket:
-    sock = socket.create_connection(address, timeout=SOCKET_TIMEOUT)
+def _open_tunnel(target: _Target) -> socket.socket:
+    sock = socket.create_connection(target.address, timeout=SOCKET_TIMEOUT)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if head is not None:
-            sock.sendall(head)
+        if target.head is not None:
+            sock.sendall(target.head)
             response = b""
             while b"\r\n\r\n" not in response:
                 chunk = sock.recv(4096)
@@ -465,7 +429,7 @@ def _open_tunnel(address: tuple[str, int], head: bytes | None, hello: bytes) -> 
             status = response.split(b"\r\n", 1)[0]
             if status.split(b" ", 2)[1:2] != [b"200"]:
                 raise ConnectionError(f"CONNECT answered {status!r}")
-        sock.sendall(hello)
+        sock.sendall(target.hello)
         if recv_exact(sock, 1) != READY:
             raise ConnectionError("unexpected answer to the ClientHello")
     except BaseException:
@@ -474,90 +438,94 @@ def _open_tunnel(address: tuple[str, int], head: bytes | None, hello: bytes) -> 
     return sock
 
 
-def _bulk(
-    job: _Job, direction: str, size: int, seconds: float, pids: tuple[int | None, int]
-) -> dict[str, Any]:
-    """One tunnel, `size` bytes up (client to upstream) or down; MB/s and CPU per GiB."""
+def _bulk(sock: socket.socket, direction: str, size: int, seconds: float) -> dict[str, Any]:
+    """`size` bytes up (client to upstream) or down through the open tunnel `sock`."""
     buffer = bytearray(CHUNK)
     view = memoryview(buffer)
-    sock = _open_tunnel(job.bulk_address, job.bulk_head, job.hello)
     error = None
     moved = 0
-    try:
-        cpu0 = _CPU.now(*pids)
-        t0 = time.perf_counter()
-        deadline = t0 + seconds
-        sock.sendall((b"U" if direction == "up" else b"D") + struct.pack("!Q", size))
-        if direction == "up":
-            while moved < size and time.perf_counter() < deadline:
-                n = min(CHUNK, size - moved)
-                sock.sendall(view[:n])
-                moved += n
-            if moved == size:
-                received = struct.unpack("!Q", recv_exact(sock, 8))[0]
-                if received != moved:
-                    error = f"upstream received {received} of {moved} bytes"
-        else:
-            while moved < size and time.perf_counter() < deadline:
-                n = sock.recv_into(buffer)
-                if not n:
-                    break
-                moved += n
-        wall = time.perf_counter() - t0
-        cpu = _CPU.now(*pids).since(cpu0)
-    finally:
-        sock.close()
+    # Blocking without a timeout (a timeout adds a poll() to every call): the deadline below
+    # and the orchestrator's limit on this process bound the transfer.
+    sock.settimeout(None)
+    cpu0 = time.process_time()
+    t0 = time.perf_counter()
+    deadline = t0 + seconds
+    sock.sendall((b"U" if direction == "up" else b"D") + struct.pack("!Q", size))
+    if direction == "up":
+        while moved < size and time.perf_counter() < deadline:
+            n = min(CHUNK, size - moved)
+            sock.sendall(view[:n])
+            moved += n
+        if moved == size:
+            received = struct.unpack("!Q", recv_exact(sock, 8))[0]
+            if received != moved:
+                error = f"upstream received {received} of {moved} bytes"
+    else:
+        while moved < size and time.perf_counter() < deadline:
+            n = sock.recv_into(buffer)
+            if not n:
+                break
+            moved += n
+    wall = time.perf_counter() - t0
     if moved != size and error is None:
         error = f"moved {moved} of {size} bytes within {seconds:g} s"
-    gib = moved / GIB
-    out: dict[str, Any] = {
+    return {
         "direction": direction,
         "bytes": moved,
         "seconds": wall,
         "mb_per_s": moved / wall / MB if wall > 0 else 0.0,
         "error": error,
-        **cpu,
+        "client_cpu_s": time.process_time() - cpu0,
     }
-    for who in ("proxy", "upstream", "client"):
-        value = cpu[f"{who}_cpu_s"]
-        out[f"{who}_cpu_s_per_gib"] = None if value is None or not gib else value / gib
-    return out
+
+
+def _say(message: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+def _wait_go() -> bool:
+    return sys.stdin.readline().strip() == "go"
 
 
 def client_main(loop_name: str) -> int:
-    spec = json.loads(sys.stdin.read())
+    job = json.loads(sys.stdin.readline())
     hello = client_hello(HOST)
-    proxy = spec["proxy"]
-    up = spec["upstream"]
-
-    def head(port: int) -> bytes:
-        return f"CONNECT {HOST}:{port} HTTP/1.1\r\nHost: {HOST}:{port}\r\n\r\n".encode()
-
-    job = _Job(
-        address=(LOOPBACK, proxy["port"] if proxy else up["tunnel"]),
-        head=head(up["tunnel"]) if proxy else None,
-        bulk_address=(LOOPBACK, proxy["port"] if proxy else up["bulk"]),
-        bulk_head=head(up["bulk"]) if proxy else None,
+    port = job["port"]
+    target = _Target(
+        address=(LOOPBACK, job["proxy_port"] or port),
+        head=f"CONNECT {HOST}:{port} HTTP/1.1\r\nHost: {HOST}:{port}\r\n\r\n".encode()
+        if job["proxy_port"]
+        else None,
         hello=hello,
     )
-    pids: tuple[int | None, int] = (proxy["pid"] if proxy else None, up["pid"])
-    s = Settings(**spec["settings"])
-    result: dict[str, Any] = {"loop": loop_name}
+    if job["phase"] == "bulk":
+        try:
+            # A first transfer in a fresh process runs at half speed (down: the client's CPU per
+            # GiB triples), whatever the proxy: warm up on a tunnel of its own.
+            with _open_tunnel(target) as warm:
+                _bulk(warm, job["direction"], min(job["bytes"], BULK_WARMUP), job["seconds"])
+            sock = _open_tunnel(target)
+        except OSError as exc:
+            _say({"failed": f"bulk tunnel: {type(exc).__name__}: {exc}"})
+            return 0
+        with sock:
+            _say({"ready": True})
+            if _wait_go():
+                _say(_bulk(sock, job["direction"], job["bytes"], job["seconds"]))
+        return 0
 
     async def tunnels() -> None:
-        warm = await _tunnel_phase(job, 1, s.warmup, 10.0, pids)
-        if warm["errors"]:
-            result["error"] = f"warm-up failed: {warm['first_errors']}"
-            return
-        result["latency"] = await _tunnel_phase(job, 1, s.latency_count, s.latency_s, pids)
-        result["rate"] = await _tunnel_phase(job, CLIENTS, s.rate_count, s.rate_s, pids)
+        if job["warmup"]:
+            warm = await _tunnels(target, 1, job["warmup"], 10.0)
+            if warm["errors"] or not warm["tunnels"]:
+                _say({"failed": f"warm-up failed: {warm['first_errors']}"})
+                return
+        _say({"ready": True})
+        if _wait_go():
+            _say(await _tunnels(target, job["clients"], job["count"], job["seconds"]))
 
     run_loop(tunnels, loop_name)
-    if "error" not in result:
-        result["bulk"] = {
-            d: _bulk(job, d, s.bulk_bytes, s.bulk_s, pids) for d in spec["bulk_directions"]
-        }
-    print(json.dumps(result))
     return 0
 
 
@@ -606,7 +574,7 @@ class Proxy:
     ready_s: float = 0.0
 
     @classmethod
-    def start(cls, config: str, directory: Path) -> Proxy:
+    def start(cls, config: str, directory: Path, env: dict[str, str]) -> Proxy:
         audit = directory / "audit.jsonl"
         audit.unlink(missing_ok=True)
         stderr = directory / "stderr.txt"
@@ -622,7 +590,12 @@ class Proxy:
         with open(stderr, "wb") as err:
             started = time.perf_counter()
             process = subprocess.Popen(
-                command, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err
+                command,
+                cwd=ROOT,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
             )
         proxy = cls(config, directory, process, started)
         try:
@@ -703,30 +676,161 @@ def upstream_process(loop_name: str) -> Iterator[dict[str, Any]]:
             process.wait(timeout=10)
 
 
-def run_client(
-    loop_name: str,
-    upstream: dict[str, Any],
-    proxy: Proxy | None,
-    settings: Settings,
-    directions: Sequence[str],
-) -> dict[str, Any]:
-    spec = {
-        "proxy": {"port": proxy.port, "pid": proxy.pid} if proxy else None,
-        "upstream": upstream,
-        "settings": settings.__dict__,
-        "bulk_directions": list(directions),
+@dataclass
+class Bench:
+    """What every phase of a run needs: the upstream, the load generator's loop, the settings."""
+
+    upstream: dict[str, Any]
+    loop: str
+    settings: Settings
+    procs: int  # client processes in the rate phase
+    directions: Sequence[str]
+    proxy_env: dict[str, str]
+
+
+def _read_message(process: subprocess.Popen[bytes], timeout: float, log: Path) -> dict[str, Any]:
+    """The next JSON line from a client process, within `timeout` seconds."""
+    assert process.stdout is not None
+    ready, _, _ = select.select([process.stdout], [], [], timeout)
+    line = process.stdout.readline() if ready else b""
+    if not line:
+        process.kill()
+        raise RuntimeError(
+            f"client process gave no answer within {timeout:g} s (exit {process.poll()}):\n"
+            + log.read_text(errors="replace")[-3000:]
+        )
+    message = json.loads(line)
+    if "failed" in message:
+        raise RuntimeError(f"client: {message['failed']}")
+    return message
+
+
+def client_phase(
+    bench: Bench, proxy: Proxy | None, jobs: Sequence[dict[str, Any]], limit: float, tmp: Path
+) -> tuple[list[dict[str, Any]], dict[str, float | None]]:
+    """Runs one phase in len(jobs) client processes released together; their results and the
+    CPU seconds the proxy, the upstream (and the clients, as they report) spent on it."""
+    processes: list[subprocess.Popen[bytes]] = []
+    logs = [tmp / f"client-{i}.stderr" for i in range(len(jobs))]
+    try:
+        for job, log in zip(jobs, logs, strict=True):
+            with open(log, "wb") as err:
+                process = subprocess.Popen(
+                    _role_command("client", bench.loop),
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=err,
+                )
+            processes.append(process)
+            assert process.stdin is not None
+            process.stdin.write(json.dumps(job).encode() + b"\n")
+            process.stdin.flush()
+        for process, log in zip(processes, logs, strict=True):
+            _read_message(process, 60.0, log)  # ready (warm-up done)
+        pids = (proxy.pid if proxy else None, bench.upstream["pid"])
+        before = [proc_cpu(pid) for pid in pids]
+        for process in processes:
+            assert process.stdin is not None
+            process.stdin.write(b"go\n")
+            process.stdin.flush()
+        results = [
+            _read_message(process, limit, log) for process, log in zip(processes, logs, strict=True)
+        ]
+        # The proxy may still be closing the last tunnels (audit lines, metrics): that is theirs.
+        time.sleep(0.2)
+        after = [proc_cpu(pid) for pid in pids]
+    finally:
+        for process in processes:
+            with contextlib.suppress(OSError):
+                assert process.stdin is not None
+                process.stdin.close()
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=10)
+    cpu: dict[str, float | None] = {}
+    for who, a, b in zip(("proxy", "upstream"), before, after, strict=True):
+        cpu[f"{who}_cpu_s"] = None if a is None or b is None else b - a
+    cpu["client_cpu_s"] = sum(r["client_cpu_s"] for r in results)
+    return results, cpu
+
+
+def tunnel_phase(
+    bench: Bench, proxy: Proxy | None, tmp: Path, *, warmup: int, procs: int, clients: int,
+    count: int, seconds: float,
+) -> dict[str, Any]:  # fmt: skip
+    base = {
+        "phase": "tunnels",
+        "proxy_port": proxy.port if proxy else None,
+        "port": bench.upstream["tunnel"],
+        "seconds": seconds,
     }
-    limit = 10 + settings.latency_s + settings.rate_s + 2 * SOCKET_TIMEOUT
-    limit += len(directions) * (settings.bulk_s + SOCKET_TIMEOUT)
-    done = subprocess.run(
-        _role_command("client", loop_name),
-        input=json.dumps(spec).encode(),
-        capture_output=True,
-        timeout=limit,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"client failed ({done.returncode}):\n{done.stderr.decode()[-3000:]}")
-    return json.loads(done.stdout)
+    jobs = [
+        {
+            **base,
+            "warmup": warmup,
+            "clients": clients // procs + (i < clients % procs),
+            "count": count // procs + (i < count % procs),
+        }
+        for i in range(procs)
+    ]
+    results, cpu = client_phase(bench, proxy, jobs, seconds + SOCKET_TIMEOUT + 10, tmp)
+    wall = max(r["end"] for r in results) - min(r["start"] for r in results)
+    done = sum(r["tunnels"] for r in results)
+    latencies = sorted(x for r in results for x in r["latencies_ms"])
+    errors = [e for r in results for e in r["first_errors"]]
+    out: dict[str, Any] = {
+        "procs": procs,
+        "clients": clients,
+        "tunnels": done,
+        "errors": sum(r["errors"] for r in results),
+        "first_errors": errors[:3],
+        "seconds": wall,
+        "tunnels_per_s": done / wall if wall > 0 else 0.0,
+        **cpu,
+    }
+    if latencies:
+        out["latency_ms"] = {
+            "p50": percentile(latencies, 50),
+            "p90": percentile(latencies, 90),
+            "p99": percentile(latencies, 99),
+            "max": latencies[-1],
+            "mean": statistics.fmean(latencies),
+        }
+    for who in ("proxy", "upstream", "client"):
+        value = cpu[f"{who}_cpu_s"]
+        out[f"{who}_cpu_us_per_tunnel"] = None if value is None or not done else value / done * 1e6
+    return out
+
+
+def bulk_phase(bench: Bench, proxy: Proxy | None, tmp: Path, direction: str) -> dict[str, Any]:
+    s = bench.settings
+    job = {
+        "phase": "bulk",
+        "proxy_port": proxy.port if proxy else None,
+        "port": bench.upstream["bulk"],
+        "direction": direction,
+        "bytes": s.bulk_bytes,
+        "seconds": s.bulk_s,
+    }
+    results, cpu = client_phase(bench, proxy, [job], s.bulk_s + SOCKET_TIMEOUT + 10, tmp)
+    out = {**results[0], **cpu}
+    gib = out["bytes"] / GIB
+    for who in ("proxy", "upstream", "client"):
+        value = cpu[f"{who}_cpu_s"]
+        out[f"{who}_cpu_s_per_gib"] = None if value is None or not gib else value / gib
+    return out
+
+
+def proxy_env(pycache: Path) -> dict[str, str]:
+    """The proxy's environment: bytecode cached as an installed package has it. (This workplace
+    sets PYTHONDONTWRITEBYTECODE, and the editable checkout has no __pycache__, so every start
+    would compile proxy/ and policy/ from source.) The cache lives in the run's temp dir and the
+    warm-up pass fills it; the checkout is not written to."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPYCACHEPREFIX"] = str(pycache)
+    return env
 
 
 def write_inputs(directory: Path, dns_address: tuple[str, int], ca_dir: Path) -> None:
@@ -739,35 +843,34 @@ def write_inputs(directory: Path, dns_address: tuple[str, int], ca_dir: Path) ->
     )
 
 
-def one_round(
-    config: str,
-    directory: Path,
-    upstream: dict[str, Any],
-    settings: Settings,
-    directions: Sequence[str],
-    client_loop: str,
-) -> dict[str, Any]:
-    if config == "direct":
-        return {"client": run_client(client_loop, upstream, None, settings, directions)}
-    proxy = Proxy.start(config, directory)
+def one_round(config: str, directory: Path, bench: Bench) -> dict[str, Any]:
+    """One configuration once: (start the proxy,) latency, rate, bulk, (stop it)."""
+    s = bench.settings
+    proxy = None if config == "direct" else Proxy.start(config, directory, bench.proxy_env)
+    out: dict[str, Any] = {}
     try:
-        time.sleep(SETTLE_S)
-        idle = proc_memory(proxy.pid)
-        client = run_client(client_loop, upstream, proxy, settings, directions)
-        after = proc_memory(proxy.pid)
-        metrics = proxy.metrics()
+        if proxy is not None:
+            time.sleep(SETTLE_S)
+            idle = proc_memory(proxy.pid)
+            out.update(listening_s=proxy.listening_s, ready_s=proxy.ready_s)
+            out.update(rss_idle_mb=idle.get("VmRSS"))
+        out["latency"] = tunnel_phase(
+            bench, proxy, directory, warmup=s.warmup, procs=1, clients=1,
+            count=s.latency_count, seconds=s.latency_s,
+        )  # fmt: skip
+        out["rate"] = tunnel_phase(
+            bench, proxy, directory, warmup=10, procs=bench.procs, clients=CLIENTS,
+            count=s.rate_count, seconds=s.rate_s,
+        )  # fmt: skip
+        out["bulk"] = {d: bulk_phase(bench, proxy, directory, d) for d in bench.directions}
+        if proxy is not None:
+            after = proc_memory(proxy.pid)
+            out.update(rss_after_mb=after.get("VmRSS"), rss_peak_mb=after.get("VmHWM"))
+            out["metrics"] = proxy.metrics()
     finally:
-        code = proxy.stop()
-    return {
-        "client": client,
-        "listening_s": proxy.listening_s,
-        "ready_s": proxy.ready_s,
-        "rss_idle_mb": idle.get("VmRSS"),
-        "rss_after_mb": after.get("VmRSS"),
-        "rss_peak_mb": after.get("VmHWM"),
-        "metrics": metrics,
-        "exit_code": code,
-    }
+        if proxy is not None:
+            out["exit_code"] = proxy.stop()
+    return out
 
 
 # -- summary -----------------------------------------------------------------------------------
@@ -788,19 +891,19 @@ FIGURES: dict[str, tuple[str, ...]] = {
     "rss_idle_mb": ("rss_idle_mb",),
     "rss_after_mb": ("rss_after_mb",),
     "rss_peak_mb": ("rss_peak_mb",),
-    "latency_p50_ms": ("client", "latency", "latency_ms", "p50"),
-    "latency_p99_ms": ("client", "latency", "latency_ms", "p99"),
-    "sequential_proxy_cpu_us_per_tunnel": ("client", "latency", "proxy_cpu_us_per_tunnel"),
-    "tunnels_per_s": ("client", "rate", "tunnels_per_s"),
-    "rate_latency_p50_ms": ("client", "rate", "latency_ms", "p50"),
-    "rate_latency_p99_ms": ("client", "rate", "latency_ms", "p99"),
-    "proxy_cpu_us_per_tunnel": ("client", "rate", "proxy_cpu_us_per_tunnel"),
-    "client_cpu_us_per_tunnel": ("client", "rate", "client_cpu_us_per_tunnel"),
-    "upstream_cpu_us_per_tunnel": ("client", "rate", "upstream_cpu_us_per_tunnel"),
-    "bulk_up_mb_s": ("client", "bulk", "up", "mb_per_s"),
-    "bulk_down_mb_s": ("client", "bulk", "down", "mb_per_s"),
-    "bulk_up_proxy_cpu_s_per_gib": ("client", "bulk", "up", "proxy_cpu_s_per_gib"),
-    "bulk_down_proxy_cpu_s_per_gib": ("client", "bulk", "down", "proxy_cpu_s_per_gib"),
+    "latency_p50_ms": ("latency", "latency_ms", "p50"),
+    "latency_p99_ms": ("latency", "latency_ms", "p99"),
+    "sequential_proxy_cpu_us_per_tunnel": ("latency", "proxy_cpu_us_per_tunnel"),
+    "tunnels_per_s": ("rate", "tunnels_per_s"),
+    "rate_latency_p50_ms": ("rate", "latency_ms", "p50"),
+    "rate_latency_p99_ms": ("rate", "latency_ms", "p99"),
+    "proxy_cpu_us_per_tunnel": ("rate", "proxy_cpu_us_per_tunnel"),
+    "client_cpu_us_per_tunnel": ("rate", "client_cpu_us_per_tunnel"),
+    "upstream_cpu_us_per_tunnel": ("rate", "upstream_cpu_us_per_tunnel"),
+    "bulk_up_mb_s": ("bulk", "up", "mb_per_s"),
+    "bulk_down_mb_s": ("bulk", "down", "mb_per_s"),
+    "bulk_up_proxy_cpu_s_per_gib": ("bulk", "up", "proxy_cpu_s_per_gib"),
+    "bulk_down_proxy_cpu_s_per_gib": ("bulk", "down", "proxy_cpu_s_per_gib"),
 }
 # Ratios to direct, taken within each round, then the median over rounds.
 RATIOS = ("tunnels_per_s", "bulk_up_mb_s", "bulk_down_mb_s", "latency_p50_ms", "latency_p99_ms")
@@ -821,15 +924,10 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
                     ratios.append(a / b)
             row[f"{figure}_vs_direct"] = median(ratios)
         row["errors"] = sum(
-            (_get(r, "client", "latency", "errors") or 0)
-            + (_get(r, "client", "rate", "errors") or 0)
-            for r in rounds
+            (_get(r, "latency", "errors") or 0) + (_get(r, "rate", "errors") or 0) for r in rounds
         )
         row["bulk_errors"] = [
-            b["error"]
-            for r in rounds
-            for b in (_get(r, "client", "bulk") or {}).values()
-            if b["error"]
+            b["error"] for r in rounds for b in (_get(r, "bulk") or {}).values() if b["error"]
         ]
         out[config] = row
     return out
@@ -973,22 +1071,27 @@ def uvloop_line(summary: dict[str, dict[str, Any]], runs: dict[str, list[dict[st
     return "fast-uvloop against fast (same rounds): " + ", ".join(parts)
 
 
-def notes(settings: Settings, client_loop: str, upstream_loop: str) -> str:
+def notes(settings: Settings, client_loop: str, upstream_loop: str, procs: int) -> str:
+    nproc = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return f"""\
 What each figure covers (medians of {settings.rounds} interleaved rounds; ratios to direct are
 taken within each round, then the median):
+- Every proxy is a fresh process per round, started after an untimed pass of every
+  configuration (page cache, bytecode cache, the engine's CA). Each client process warms up
+  before it is released: tunnels ({settings.warmup} for latency, 10 per rate process) or a
+  {BULK_WARMUP // MIB} MiB transfer on a tunnel of its own (bulk).
 - ready s: from just before the proxy process is spawned until its "listening on" line is on
-  stderr and GET /readyz answers 200 (polled every 2 ms). Idle RSS: VmRSS {SETTLE_S:g} s later;
-  RSS after: VmRSS once the client is done (bulk included).
+  stderr and GET /readyz answers 200 (both polled every 2 ms); bytecode cached. Idle RSS: VmRSS
+  {SETTLE_S:g} s later; RSS after: VmRSS once the last phase is done (bulk included).
 - new tunnel: one client, one tunnel at a time: TCP connect, CONNECT, 200, a real TLS
-  ClientHello (SNI {HOST}), the upstream's first byte; {settings.latency_count} tunnels (at most
-  {settings.latency_s:g} s) after {settings.warmup} warm-up ones. Direct: connect, ClientHello,
-  first byte.
-- tunnels/s: the same tunnels by {CLIENTS} concurrent clients ({settings.rate_count} tunnels, at
-  most {settings.rate_s:g} s). proxy CPU µs/tunnel: utime+stime of the proxy process
-  (/proc/PID/stat, all threads) over that phase / tunnels. client+upstream: the load
-  generator's own CPU per tunnel (client {client_loop}, upstream {upstream_loop}): with the
-  proxy's it shares 2 cores, so it bounds what any configuration can reach.
+  ClientHello (SNI {HOST}), the upstream's first byte; {settings.latency_count:,} tunnels (at
+  most {settings.latency_s:g} s). Direct: TCP connect, ClientHello, first byte.
+- tunnels/s: the same tunnels by {CLIENTS} concurrent clients in {procs} client process(es)
+  released together ({settings.rate_count:,} tunnels, at most {settings.rate_s:g} s). proxy CPU
+  µs/tunnel: utime+stime of the proxy process (/proc/PID/stat, all threads) from the release to
+  0.2 s after the last result, / tunnels. client+upstream: the load generator's own CPU per
+  tunnel (client {client_loop}, upstream {upstream_loop}); it shares the {nproc} CPUs with the
+  proxy, so it bounds what any configuration can reach.
 - bulk: one tunnel, {settings.bulk_bytes / MIB:,.0f} MiB up (client sendall in 1 MiB chunks to an
   upstream that sinks them) and down (the upstream sends, the client reads into 1 MiB); from the
   command to the upstream's byte count (up) or the last byte (down). MB = 10^6 bytes.
@@ -1052,6 +1155,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices=("auto", "uvloop", "asyncio"),
         help="the load generator's event loop (client and upstream; default uvloop if present)",
     )
+    parser.add_argument(
+        "--client-procs",
+        type=int,
+        default=2,
+        help=f"client processes sharing the {CLIENTS} clients of the rate phase (default 2)",
+    )
     parser.add_argument("--role", choices=("upstream", "client"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     loop_name = pick_loop(args.loop)
@@ -1060,6 +1169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.role == "client":
         return client_main(loop_name)
 
+    if not 1 <= args.client_procs <= CLIENTS:
+        parser.error(f"--client-procs must be between 1 and {CLIENTS}")
     settings = QUICK if args.quick else FULL
     if args.rounds is not None:
         settings = Settings(**{**settings.__dict__, "rounds": max(1, args.rounds)})
@@ -1094,30 +1205,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     ):
         dns.set(HOST, a=[LOOPBACK], ttl=3600)
         for config in configs:
-            if config != "direct":
-                write_inputs(Path(tmp) / config, dns.address, Path(tmp) / "ca")
+            write_inputs(Path(tmp) / config, dns.address, Path(tmp) / "ca")
         log(f"upstream {upstream}; configs {', '.join(configs)}; {settings}")
         # One untimed pass: warms the page cache and creates the inspection CA the engine loads.
+        env = proxy_env(Path(tmp) / "pycache")
         for config in configs:
-            one_round(config, Path(tmp) / config, upstream, warm, directions, loop_name)
+            one_round(
+                config, Path(tmp) / config, Bench(upstream, loop_name, warm, 1, directions, env)
+            )
         log(f"warm-up pass done in {time.perf_counter() - began:.1f} s")
+        bench = Bench(upstream, loop_name, settings, args.client_procs, directions, env)
         for n in range(settings.rounds):
             for config in configs:
                 t0 = time.perf_counter()
-                result = one_round(
-                    config, Path(tmp) / config, upstream, settings, directions, loop_name
-                )
+                result = one_round(config, Path(tmp) / config, bench)
                 runs[config].append(result)
-                client = result["client"]
-                if "error" in client:
-                    raise SystemExit(f"{config}: {client['error']}")
                 log(
                     f"round {n + 1}/{settings.rounds} {config:<11} "
-                    f"{client['rate']['tunnels_per_s']:8,.0f} tunnels/s, "
-                    f"p50 {client['latency']['latency_ms']['p50']:.3f} ms, "
+                    f"{result['rate']['tunnels_per_s']:8,.0f} tunnels/s, "
+                    f"p50 {result['latency']['latency_ms']['p50']:.3f} ms, "
                     + ", ".join(
-                        f"bulk {d} {b['mb_per_s']:,.0f} MB/s"
-                        for d, b in client.get("bulk", {}).items()
+                        f"bulk {d} {b['mb_per_s']:,.0f} MB/s" for d, b in result["bulk"].items()
                     )
                     + f" ({time.perf_counter() - t0:.1f} s)"
                 )
@@ -1135,7 +1243,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for g in goals:
         verdict = "met" if g["met"] else "NOT MET"
         value = g["value"]
-        shown = f"{value:.2f}x" if "x" in g["goal"] else f"{value:,.3g}"
+        unit = g["goal"].split()[-1]
+        shown = (
+            f"{value:.2f}x"
+            if unit.endswith("x")
+            else f"{value:,.{3 if unit == 's' else 1}f} {unit}"
+        )
         out.append(f"- {g['target']}: {shown} (goal {g['goal']}): {verdict} [{g['detail']}]")
     line = uvloop_line(summary, runs)
     if line:
@@ -1154,7 +1267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 problems.append(f"{c}: the fast path served {l4:.0f} connections")
     if problems:
         out += ["", "Problems:", *(f"- {p}" for p in problems)]
-    out += ["", notes(settings, loop_name, upstream["loop"])]
+    out += ["", notes(settings, loop_name, upstream["loop"], args.client_procs)]
     print("\n".join(out))
     if args.json:
         document = {
@@ -1168,6 +1281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "bulk_directions": directions,
                 "configs": configs,
                 "load_generator_loop": loop_name,
+                "client_procs": args.client_procs,
                 "settle_s": SETTLE_S,
             },
             "summary": summary,

@@ -1094,7 +1094,17 @@ class Engine:
             sock.close()
             raise
         writer = asyncio.StreamWriter(transport, protocol, reader, loop)
-        await instance.handle_stream(reader, writer)
+        serving = loop.create_task(instance.handle_stream(reader, writer))
+        try:
+            await asyncio.shield(serving)
+        except asyncio.CancelledError:
+            # The front door gave up on it (a drain that timed out). Cancelling mitmproxy's
+            # handler mid-way would skip its own ending (no client_disconnected, no close
+            # line): the connection is cut under it instead, and it winds down by itself.
+            transport.abort()
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(serving, 5)
+            raise
 
     async def start(
         self,

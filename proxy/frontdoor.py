@@ -43,6 +43,7 @@ from proxy.listen import Listener
 from proxy.refusals import (
     HEADER_TIMEOUT,
     INSPECTION_UNSUPPORTED,
+    INTERNAL_ERROR,
     INVALID_CLIENT_HELLO,
     INVALID_REQUEST,
     NO_ORIGINAL_DESTINATION,
@@ -98,6 +99,8 @@ class _Tunnel:
 class _Accepted:
     peer: Peer
     opened: float = field(default_factory=time.monotonic)
+    answered: bool = False  # a status line went out: nothing more may be answered
+    closed: bool = False  # its close line is written
 
 
 class FrontDoor:
@@ -238,9 +241,18 @@ class FrontDoor:
             await self._serve_http(sock, accepted)
         except asyncio.CancelledError:
             raise
-        except Exception:
-            # Fail closed: whatever went wrong, the connection ends here.
+        except OSError as exc:
+            # The client reset or vanished: ordinary, not a failure of ours.
+            logger.debug("egress: client connection ended: %s", exc)
+        except Exception as exc:
+            # Fail closed (DESIGN 3.7): whatever went wrong, the connection is denied here.
             logger.exception("egress: the front door failed on a connection")
+            refused = Refused(403, INTERNAL_ERROR, f"internal error: {type(exc).__name__}")
+            with contextlib.suppress(Exception):
+                if accepted.closed:
+                    self.vetter.refusal(refused, accepted.peer, None, None, "http", stage="engine")
+                else:
+                    await self._refuse(sock, accepted, refused, None, None, stage="engine")
         finally:
             with contextlib.suppress(OSError):
                 sock.close()
@@ -387,6 +399,7 @@ class FrontDoor:
         pinned: tuple[str, ...] = ()
         name = decision.host or host
         upstream_address: str | None = None
+        tunnel: _Tunnel | None = None
         try:
             try:
                 context: dict[str, Any] = {"method": "CONNECT"} if hello is None else {"sni": sni}
@@ -420,9 +433,17 @@ class FrontDoor:
             except Refused as refused:
                 reason = refused.reason
                 if hello is None:  # a transparent client asked nothing it could be answered
-                    await _send(sock, refusal_response(refused, host, port))
+                    accepted.answered = True
+                    with contextlib.suppress(OSError, TimeoutError):
+                        await _send(sock, refusal_response(refused, host, port))
                 return
+            # Live from here: a reload re-decides it, also while it waits for its ClientHello.
+            task = asyncio.current_task()
+            assert task is not None
+            tunnel = _Tunnel(task, target, pinned)
+            self._tunnels[peer.connection] = tunnel
             if hello is None:
+                accepted.answered = True
                 await _send(sock, _ESTABLISHED)
                 hello, gate = await self._client_hello(sock, name, rest)
                 sni = gate.sni
@@ -433,26 +454,23 @@ class FrontDoor:
                     )
                     return
                 if isinstance(gate, _Gone):
-                    reason = "client_closed"
+                    reason = gate.reason
                     return
             self.vetter.allowed(peer, protocol, stage="sni", host=name, port=port, sni=sni)
-            task = asyncio.current_task()
-            assert task is not None
-            tunnel = _Tunnel(task, target, pinned)
-            self._tunnels[peer.connection] = tunnel
-            try:
-                result = await relay(
-                    sock,
-                    upstream,
-                    idle_timeout=self.config.limits.idle_timeout,
-                    counter=counter,
-                    initial_up=hello,
-                )
-                reason = result.reason
-            except asyncio.CancelledError:
-                reason = tunnel.close_reason or "cancelled"
-                if tunnel.close_reason is None:
-                    raise
+            result = await relay(
+                sock,
+                upstream,
+                idle_timeout=self.config.limits.idle_timeout,
+                counter=counter,
+                initial_up=hello,
+            )
+            reason = result.reason
+        except asyncio.CancelledError:
+            reason = (tunnel.close_reason if tunnel is not None else None) or "cancelled"
+            if tunnel is None or tunnel.close_reason is None:
+                raise
+        except OSError:
+            reason = "reset"  # the client went away mid-way: ordinary, and no answer is owed
         finally:
             self._tunnels.pop(peer.connection, None)
             if upstream is not None:
@@ -475,12 +493,16 @@ class FrontDoor:
                         outcome = check_hello(data, host)
                         if outcome is not None:
                             return data, outcome
-                    chunk = await loop.sock_recv(sock, _READ)
+                    try:
+                        chunk = await loop.sock_recv(sock, _READ)
+                    except OSError:
+                        return data, _Gone(reason="reset")
                     if not chunk:
                         return data, _Gone()
                     data += chunk
         except TimeoutError:
-            return data, _Gone(Refused(408, HEADER_TIMEOUT, "no ClientHello within the time limit"))
+            refused = Refused(408, HEADER_TIMEOUT, "no ClientHello within the time limit")
+            return data, _Gone(refused, reason=HEADER_TIMEOUT)
 
     # -- answers -----------------------------------------------------------------------------
 
@@ -494,9 +516,16 @@ class FrontDoor:
         *,
         stage: str,
     ) -> None:
+        """A connection refused before any tunnel: its decision line, its answer (unless one
+        went out already), and its close line, so every connection has one."""
         self.vetter.refusal(refused, accepted.peer, host, port, "http", stage=stage)
-        with contextlib.suppress(OSError, TimeoutError):
-            await _send(sock, refusal_response(refused, host or "proxy", port))
+        if not accepted.answered:
+            accepted.answered = True
+            with contextlib.suppress(OSError, TimeoutError):
+                await _send(sock, refusal_response(refused, host or "proxy", port))
+        if self.metrics is not None:
+            self.metrics.connection_opened("l4", "http")
+        self._closed(accepted, host, port, None, None, Counter(), refused.reason, (), "http")
 
     def _closed(
         self,
@@ -510,6 +539,7 @@ class FrontDoor:
         pinned: tuple[str, ...],
         protocol: str,
     ) -> None:
+        accepted.closed = True
         duration = time.monotonic() - accepted.opened
         if self.metrics is not None:
             self.metrics.connection_closed("l4", counter.up, counter.down, duration)
@@ -539,6 +569,7 @@ class _Gone:
 
     refused: Refused | None = None
     sni: str | None = None
+    reason: str = "client_closed"
 
 
 def _parse_connect(data: bytes) -> tuple[str, int, bytes] | Refused:

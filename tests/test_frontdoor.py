@@ -813,12 +813,6 @@ async def test_reload_closes_the_tunnels_the_new_policy_denies(dns: DNSServer) -
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: FrontDoor.set_policy only re-decides tunnels registered in _tunnels, which "
-    "happens after the SNI gate (proxy/frontdoor.py _tunnel); a tunnel answered 200 and "
-    "waiting for its ClientHello during a reload is relayed to a host the new policy denies",
-)
 @pytest.mark.asyncio
 async def test_reload_also_closes_a_tunnel_still_waiting_for_its_client_hello(
     dns: DNSServer,
@@ -912,12 +906,6 @@ class ExplodingPolicy:
         raise RuntimeError("boom")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: an exception in the fast path's decision (proxy/frontdoor.py _serve_http calls "
-    "policy.decide outside any handler) only closes the connection: no 403 internal_error "
-    "answer and no audit line, unlike the engine (DESIGN 3.7, issue 4 'same denials')",
-)
 @pytest.mark.asyncio
 async def test_an_exception_in_the_decision_denies_with_403(dns: DNSServer) -> None:
     async with serving(Upstream(raw=True)) as upstream, opened(dns) as door:
@@ -946,12 +934,6 @@ async def closed_soon(reader: asyncio.StreamReader, timeout: float) -> bool:
     return True
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: FrontDoor.drain cancels the task awaiting Engine.handoff, but mitmproxy's "
-    "connection handler lives on (proxy/frontdoor.py drain / _hand_off): a handed-off "
-    "connection stays open, and unaudited, after the drain timeout until Engine.stop()",
-)
 @pytest.mark.asyncio
 async def test_drain_also_closes_connections_handed_to_the_engine(dns: DNSServer) -> None:
     async with serving(Upstream()) as upstream, opened(dns) as door:
@@ -982,13 +964,6 @@ def reset(writer: asyncio.StreamWriter) -> None:
     writer.transport.abort()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a client that resets before the relay starts (waiting for its ClientHello, or "
-    "before its refusal is written) makes the front door log ERROR 'the front door failed on "
-    "a connection' with a traceback: the ConnectionResetError of sock_recv (_client_hello) or "
-    "of _send (the refusal) escapes _tunnel to _serve's catch-all (proxy/frontdoor.py)",
-)
 @pytest.mark.asyncio
 async def test_a_client_that_resets_early_is_not_logged_as_a_failure(dns: DNSServer) -> None:
     records = _Records()
@@ -1019,13 +994,6 @@ async def test_a_client_that_resets_early_is_not_logged_as_a_failure(dns: DNSSer
     assert [r.getMessage() for r in records.records] == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a connection the front door refuses before it has a CONNECT target (400 "
-    "invalid_request, 408 header_timeout: FrontDoor._refuse) gets a decision line but no "
-    "close line and is not counted in egress_connections_total; the engine writes a close "
-    "line for every client connection (e.g. its 408, test_engine test_header_timeout...)",
-)
 @pytest.mark.asyncio
 async def test_a_connection_refused_before_its_target_has_a_close_line(dns: DNSServer) -> None:
     async with opened(dns, header_timeout=0.3) as door:
