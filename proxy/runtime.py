@@ -334,7 +334,9 @@ class Runtime:
         if self.audit is not None:
             self.audit.close()
         if self._log_handler is not None:
-            logging.getLogger("proxy").removeHandler(self._log_handler)
+            logger = logging.getLogger("proxy")
+            logger.removeHandler(self._log_handler)
+            logger.propagate = True
 
     # -- reload --------------------------------------------------------------------------------
 
