@@ -99,6 +99,8 @@ _ALPN = 0x0010
 _HOST_NAME = 0x00
 _MAX_SESSION_ID = 32
 _MAX_HOST_NAME = 255
+_U16 = struct.Struct(">H").unpack_from
+_U16_U16 = struct.Struct(">HH").unpack_from
 # mitmproxy's label syntax (mitmproxy.net.check), anchored at both ends.
 _LABEL = re.compile(rb"[A-Za-z0-9_-]{1,63}")
 
@@ -199,10 +201,6 @@ def parse_client_hello(data: bytes) -> ClientHello | None:
         if need and have == need:
             return _parse_message(b"".join(fragments), end)
         offset = end
-
-
-_U16 = struct.Struct(">H").unpack_from
-_U16_U16 = struct.Struct(">HH").unpack_from
 
 
 def _check_record_header(header: bytes, offset: int) -> None:
@@ -322,7 +320,7 @@ def _server_name(ext: bytes) -> str:
     name_end = 5 + _U16(ext, 3)[0]
     if name_end < n:
         raise _invalid("server_name_count", "server_name list holds more than one name")
-    if False:
+    if ext[2] != _HOST_NAME:
         raise _invalid("server_name_type", f"server_name type {ext[2]}, not host_name (0)")
     name = ext[5:name_end]
     if not _valid_host_name(name):
@@ -361,7 +359,8 @@ def _cut(what: str) -> ClientHelloError:
 
 
 def _invalid(detail: str, message: str) -> ClientHelloError:
-    return ClientHelloError(INVALID_CLIENT_HELLO, f"invalid ClientHello: {message}", detail=detail)
+    # Callers say "invalid ClientHello" themselves (sni_gate, frontdoor): the message is the why.
+    return ClientHelloError(INVALID_CLIENT_HELLO, message, detail=detail)
 
 
 def _too_long(message: str) -> ClientHelloError:

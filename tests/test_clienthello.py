@@ -918,10 +918,16 @@ def extension_lists(draw: st.DrawFn) -> list[Ext]:
     for wanted, strategy in ((4, SERVER_NAMES), (2, ALPNS)):
         if draw(st.integers(0, wanted)):
             exts.insert(draw(st.integers(0, len(exts))), draw(strategy))
-    # One extension of a type, as a client sends them; a duplicate now and then.
+    # One extension of a type, as a client sends them; a duplicate now and then: a copy, or
+    # one with other contents (two server_names that name different hosts).
     unique = list({ext.kind: ext for ext in reversed(exts)}.values())[::-1]
     if unique and draw(st.integers(0, 9)) == 0:
-        unique.insert(draw(st.integers(0, len(unique))), draw(st.sampled_from(exts)))
+        twin = draw(st.sampled_from(unique))
+        if draw(st.booleans()):
+            twin = draw(
+                SERVER_NAMES if twin.kind == 0 else ALPNS if twin.kind == 16 else st.just(twin)
+            )
+        unique.insert(draw(st.integers(0, len(unique))), twin)
     return unique
 
 
@@ -989,6 +995,18 @@ def test_differential_on_generated_hellos() -> None:
     assert seen["same:sni"] > 10, seen
     assert seen["same:no_sni"] > 5, seen
     assert sum(n for k, n in seen.items() if k.startswith("stricter:")) > 10, seen
+
+
+@settings(max_examples=60, deadline=None)
+@given(first=NAMES, second=NAMES, between=st.lists(OTHER_EXTENSIONS, max_size=2))
+def test_differential_on_two_server_name_extensions(
+    first: bytes, second: bytes, between: list[Ext]
+) -> None:
+    """mitmproxy takes the first valid one, a server may take the other: refused here."""
+    data = tls([sni_ext(first), *((e.kind, e.data) for e in between), sni_ext(second)])
+    compare(data)
+    with pytest.raises(ClientHelloError):
+        parse_client_hello(data)
 
 
 # ---------------------------------------------------------------------------------------------
