@@ -4,7 +4,10 @@ through one tunnel, memory and start-up, side by side on loopback against no pro
     .venv/bin/python benchmarks/tunnels.py                   # full run: 3 rounds, 1 GiB bulk
     .venv/bin/python benchmarks/tunnels.py --quick           # under 2 minutes
     .venv/bin/python benchmarks/tunnels.py --json benchmarks/results/tunnels.json
-    .venv/bin/python benchmarks/tunnels.py --configs direct,fast --rounds 5
+    .venv/bin/python benchmarks/tunnels.py --configs direct,fast --rounds 5 --bulk-mib 256
+
+Other options: `--bulk up|down|none` (default both), `--client-procs N` (client processes of the
+rate phase, default 2), `--loop auto|uvloop|asyncio` (the load generator's own event loop).
 
 Configurations, interleaved round by round (A B C A B C ...), so a noisy moment of a shared
 machine hits every one alike:
@@ -23,10 +26,13 @@ server of this script's own on 127.0.0.1 (tests/dns_server.py) answering bench.t
 client are separate processes of this script (uvloop when importable, else asyncio): the
 upstream reads the TLS ClientHello record and answers one byte (tunnels), or after it sinks or
 sources raw bytes (bulk). The client sends a real ClientHello (Python's ssl, SNI bench.test)
-because the proxy relays nothing before its SNI gate has seen one.
+because the proxy relays nothing before its SNI gate has seen one. The table goes to stdout,
+progress to stderr; the exit code is 1 when a tunnel or transfer failed, or when the wrong plane
+served a configuration (checked on the proxy's /metrics).
 
-Every loop is bounded in count and in time, every socket has a timeout, every process a
-deadline; everything talks to 127.0.0.1 only.
+Every loop is bounded in count and in time (a phase stops starting tunnels at its deadline;
+every client process is killed past its limit, every proxy past its stop timeout, and the
+upstream process ends with its parent); everything talks to 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,12 +130,13 @@ def pick_loop(name: str) -> str:
     return "asyncio"
 
 
-def run_loop[T](main: Callable[[], Any], loop_name: str) -> T:
+def run_loop(main: Callable[[], Coroutine[Any, Any, None]], loop_name: str) -> None:
     if loop_name == "uvloop":
         import uvloop
 
-        return uvloop.run(main())
-    return asyncio.run(main())
+        uvloop.run(main())
+    else:
+        asyncio.run(main())
 
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -360,15 +367,10 @@ async def _one_tunnel(target: _Target) -> float:
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
     start = time.perf_counter()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setblocking(False)
-        await loop.sock_connect(sock, target.address)
-    except BaseException:
-        sock.close()
-        raise
+    # create_connection with an IP literal: both loops skip getaddrinfo. (uvloop's sock_connect
+    # does not: it resolves even a literal in libuv's thread pool.)
     transport, _ = await loop.create_connection(
-        lambda: _TunnelClient(target.head, target.hello, done), sock=sock
+        lambda: _TunnelClient(target.head, target.hello, done), *target.address
     )
     try:
         await done
@@ -1008,10 +1010,10 @@ def targets(
         worst = max(r["ready_s"] for r in runs["fast"])
         add(
             "ready (listening and /readyz 200)",
-            ready,
-            f"<= {TARGET_READY_S:g} s",
+            ready * 1e3,
+            f"<= {TARGET_READY_S * 1e3:g} ms",
             ready <= TARGET_READY_S,
-            f"median {ready:.3f} s, slowest {worst:.3f} s of process start",
+            f"median from process start, slowest {worst * 1e3:.1f} ms; polled every 2 ms",
         )
     return out
 
@@ -1077,7 +1079,7 @@ def notes(settings: Settings, client_loop: str, upstream_loop: str, procs: int) 
 What each figure covers (medians of {settings.rounds} interleaved rounds; ratios to direct are
 taken within each round, then the median):
 - Every proxy is a fresh process per round, started after an untimed pass of every
-  configuration (page cache, bytecode cache, the engine's CA). Each client process warms up
+  configuration (page cache, bytecode cache). Each client process warms up
   before it is released: tunnels ({settings.warmup} for latency, 10 per rate process) or a
   {BULK_WARMUP // MIB} MiB transfer on a tunnel of its own (bulk).
 - ready s: from just before the proxy process is spawned until its "listening on" line is on
@@ -1207,7 +1209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for config in configs:
             write_inputs(Path(tmp) / config, dns.address, Path(tmp) / "ca")
         log(f"upstream {upstream}; configs {', '.join(configs)}; {settings}")
-        # One untimed pass: warms the page cache and creates the inspection CA the engine loads.
+        # One untimed pass: fills the page cache and the bytecode cache.
         env = proxy_env(Path(tmp) / "pycache")
         for config in configs:
             one_round(
@@ -1244,11 +1246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         verdict = "met" if g["met"] else "NOT MET"
         value = g["value"]
         unit = g["goal"].split()[-1]
-        shown = (
-            f"{value:.2f}x"
-            if unit.endswith("x")
-            else f"{value:,.{3 if unit == 's' else 1}f} {unit}"
-        )
+        shown = f"{value:.3f}x" if unit.endswith("x") else f"{value:,.1f} {unit}"
         out.append(f"- {g['target']}: {shown} (goal {g['goal']}): {verdict} [{g['detail']}]")
     line = uvloop_line(summary, runs)
     if line:
