@@ -18,7 +18,9 @@ when a `Metrics` is given) and reported once on stderr.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import math
 import os
 import sys
 import time
@@ -44,8 +46,17 @@ Client = str | tuple[str, int] | tuple[str, int, int, int] | None
 
 def _timestamp(seconds: float) -> str:
     """RFC 3339, UTC, millisecond precision, with a `Z` (what most log tooling parses)."""
-    moment = datetime.fromtimestamp(seconds, UTC)
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+    whole = math.floor(seconds)
+    micro = round((seconds - whole) * 1_000_000)  # as datetime rounds
+    if micro >= 1_000_000:
+        whole, micro = whole + 1, micro - 1_000_000
+    return f"{_second(whole)}.{micro // 1000:03d}Z"
+
+
+@functools.lru_cache(maxsize=4)
+def _second(whole: int) -> str:
+    # Formatted once per second, not once per line: a busy proxy writes thousands a second.
+    return datetime.fromtimestamp(whole, UTC).strftime("%Y-%m-%dT%H:%M:%S")
 
 
 def _client(client: Client) -> str | None:

@@ -17,7 +17,7 @@ import math
 import re
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -111,6 +111,7 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self._children: dict[tuple[Any, ...], Any] = {}
         r = self.registry
         self._decision = _LabelGuard(DECISIONS)
         self._plane = _LabelGuard(PLANES)
@@ -203,14 +204,28 @@ class Metrics:
         for result in RELOAD_RESULTS:
             self.reloads.labels(result)
 
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)`, remembered: prometheus-client validates and locks on every
+        call, and the same few series are hit several times per connection. Labels are
+        bounded (reason codes, planes), so the dict is too."""
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     # -- events -------------------------------------------------------------------------------
 
     def decision(self, decision: str | bool, reason: str, stage: str, plane: str = "l7") -> None:
         """One policy decision. `decision` is "allow"/"deny" (or a bool: True is allow)."""
         if isinstance(decision, bool):
             decision = "allow" if decision else "deny"
-        self.decisions.labels(
-            self._decision(decision), self._reason(reason), self._stage(stage), self._plane(plane)
+        self._child(
+            self.decisions,
+            self._decision(decision),
+            self._reason(reason),
+            self._stage(stage),
+            self._plane(plane),
         ).inc()
 
     def record(self, decision: Decision | AddressDecision, plane: str = "l7") -> None:
@@ -219,24 +234,24 @@ class Metrics:
 
     def dns_lookup(self, seconds: float, outcome: str) -> None:
         """`outcome` is "ok" or the resolver's reason code (dns_nxdomain, dns_timeout, ...)."""
-        self.dns_lookup_seconds.labels(self._outcome(outcome)).observe(_amount(seconds))
+        self._child(self.dns_lookup_seconds, self._outcome(outcome)).observe(_amount(seconds))
 
     def upstream_connect(self, seconds: float, outcome: str) -> None:
         """`outcome` is "ok" or the failure's reason code (connect_refused, connect_timeout...)."""
-        self.upstream_connect_seconds.labels(self._outcome(outcome)).observe(_amount(seconds))
+        self._child(self.upstream_connect_seconds, self._outcome(outcome)).observe(_amount(seconds))
 
     def connection_opened(self, plane: str, protocol: str = "unknown") -> None:
         plane = self._plane(plane)
-        self.connections.labels(plane, self._protocol(protocol)).inc()
-        self.active_connections.labels(plane).inc()
+        self._child(self.connections, plane, self._protocol(protocol)).inc()
+        self._child(self.active_connections, plane).inc()
 
     def connection_closed(self, plane: str, bytes_up: int, bytes_down: int, seconds: float) -> None:
         """Pairs with one `connection_opened(plane)`."""
         plane = self._plane(plane)
-        self.active_connections.labels(plane).dec()
-        self.bytes.labels("up", plane).inc(_amount(bytes_up))
-        self.bytes.labels("down", plane).inc(_amount(bytes_down))
-        self.connection_duration_seconds.labels(plane).observe(_amount(seconds))
+        self._child(self.active_connections, plane).dec()
+        self._child(self.bytes, "up", plane).inc(_amount(bytes_up))
+        self._child(self.bytes, "down", plane).inc(_amount(bytes_down))
+        self._child(self.connection_duration_seconds, plane).observe(_amount(seconds))
 
     def engine_loaded(self, loaded: bool) -> None:
         self.engine.set(1 if loaded else 0)
