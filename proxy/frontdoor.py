@@ -279,12 +279,10 @@ class FrontDoor:
                     if b"\r\n\r\n" in data or len(data) > MAX_CONNECT_HEAD:
                         break
         except TimeoutError:
-            if data and not _CONNECT.startswith(data[: len(_CONNECT)]):
-                pass  # began like another request: the engine times it out itself
-            else:
-                refused = Refused(408, HEADER_TIMEOUT, "no request head within the time limit")
-                await self._refuse(sock, accepted, refused, None, None, stage="accept")
-                return
+            # Nothing, or a CONNECT head that never ended (any other request was handed on).
+            refused = Refused(408, HEADER_TIMEOUT, "no request head within the time limit")
+            await self._refuse(sock, accepted, refused, None, None, stage="accept")
+            return
         if not data.startswith(_CONNECT):
             await self._hand_off(sock, data, "http")
             return

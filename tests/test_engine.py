@@ -83,6 +83,27 @@ async def serving(upstream: Upstream, tls: ssl.SSLContext | None = None) -> Asyn
         server.close()
 
 
+@contextlib.asynccontextmanager
+async def answering(answer: bytes) -> AsyncIterator[int]:
+    """An upstream that reads the first bytes of each connection, answers `answer`, then reads
+    until the peer closes; yields its port."""
+
+    async def answer_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(65536)
+        writer.write(answer)
+        await writer.drain()
+        with contextlib.suppress(ConnectionError):
+            while await reader.read(65536):
+                pass
+        writer.close()
+
+    server = await asyncio.start_server(answer_once, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+
+
 # -- the engine ------------------------------------------------------------------------------
 
 
@@ -755,19 +776,7 @@ async def test_close_events_count_bytes_of_plain_http(proxy: Running) -> None:
 @pytest.mark.asyncio
 async def test_close_events_count_bytes_of_tunnels(proxy: Running) -> None:
     answer = b"server says hello" * 100
-
-    async def echo_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.read(65536)
-        writer.write(answer)
-        await writer.drain()
-        with contextlib.suppress(ConnectionError):
-            while await reader.read(65536):
-                pass
-        writer.close()
-
-    server = await asyncio.start_server(echo_once, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
+    async with answering(answer) as port:
         proxy.dns.set("tls.test", a=["127.0.0.1"])
         status, _, reader, writer = await connect(proxy, f"tls.test:{port}")
         assert status == 200
@@ -780,8 +789,6 @@ async def test_close_events_count_bytes_of_tunnels(proxy: Running) -> None:
             if closes(proxy):
                 break
             await asyncio.sleep(0.02)
-    finally:
-        server.close()
     (close,) = closes(proxy)
     assert (close["bytes_up"], close["bytes_down"]) == (len(hello), len(answer))
     assert close["upstream"] == f"127.0.0.1:{port}"

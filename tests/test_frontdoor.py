@@ -30,7 +30,7 @@ import pytest
 import trustme
 from dns_server import DNSServer
 from running import make_config, metric_value
-from test_engine import Upstream, client_hello, closed_by_peer, free_port, serving
+from test_engine import Upstream, answering, client_hello, closed_by_peer, free_port, serving
 from test_engine import curl as engine_curl
 
 from policy import compile_policy, load_manifest
@@ -305,30 +305,15 @@ async def test_allowed_connect_passes_tls_through_to_the_verified_upstream(
 @pytest.mark.asyncio
 async def test_close_line_counts_the_bytes_of_each_direction(dns: DNSServer) -> None:
     answer = b"server says hello" * 100
-
-    async def answer_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.read(65536)
-        writer.write(answer)
+    async with answering(answer) as port, opened(dns) as door:
+        status, _, reader, writer = await connect(door, f"tls.test:{port}")
+        assert status == 200
+        hello = client_hello("tls.test")
+        writer.write(hello + b"extra")
         await writer.drain()
-        with contextlib.suppress(ConnectionError):
-            while await reader.read(65536):
-                pass
+        assert await asyncio.wait_for(reader.readexactly(len(answer)), 5) == answer
         writer.close()
-
-    server = await asyncio.start_server(answer_once, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        async with opened(dns) as door:
-            status, _, reader, writer = await connect(door, f"tls.test:{port}")
-            assert status == 200
-            hello = client_hello("tls.test")
-            writer.write(hello + b"extra")
-            await writer.drain()
-            assert await asyncio.wait_for(reader.readexactly(len(answer)), 5) == answer
-            writer.close()
-            (close,) = await door.wait_closes(1)
-    finally:
-        server.close()
+        (close,) = await door.wait_closes(1)
     assert (close["bytes_up"], close["bytes_down"]) == (len(hello) + 5, len(answer))
     assert close["reason"] == "closed" and close["duration_seconds"] >= 0
 
