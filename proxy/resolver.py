@@ -207,12 +207,14 @@ class Resolver:
 
     async def resolve(self, host: str) -> Answer:
         """The addresses of `host` (already normalised by policy: lowercase A-labels)."""
-        qname = self._qname(host)  # refuses literals and garbage before any cache or query
+        # The cache holds only names that were checked on their way in (below), so a hit needs
+        # no check again: it is the common case, once per connection.
         cached = self._cache_get(host)
         if cached is not None:
             return self._deliver(cached, from_cache=True)
         task = self._inflight.get(host)
         if task is None:
+            qname = self._qname(host)  # refuses literals and garbage before any query
             task = asyncio.get_running_loop().create_task(
                 self._lookup(host, qname), name=f"dns-resolve {host}"
             )
