@@ -194,8 +194,15 @@ class FrontDoor:
         )
 
     def _close_servers(self) -> None:
+        loop = None
+        with contextlib.suppress(RuntimeError):
+            loop = asyncio.get_running_loop()
         for sock in self._servers:
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, ValueError):
+                # A pending sock_accept watches this fd: unwatch it before the number is freed
+                # (and perhaps reused by the next socket opened).
+                if loop is not None:
+                    loop.remove_reader(sock.fileno())
                 sock.close()
         self._servers.clear()
 
