@@ -101,6 +101,9 @@ class _Accepted:
     opened: float = field(default_factory=time.monotonic)
     answered: bool = False  # a status line went out: nothing more may be answered
     closed: bool = False  # its close line is written
+    handed: bool = False  # the engine's now, close line and all
+    reason: str = "client_closed"  # for a close line nobody else wrote
+    protocol: str = "http"
 
 
 class FrontDoor:
@@ -240,7 +243,7 @@ class FrontDoor:
                 )
                 return
             if listener.scheme == "socks5":
-                await self._hand_off(sock, b"", "socks5")
+                await self._hand_off(sock, accepted, b"", "socks5")
                 return
             if listener.scheme == "transparent":
                 await self._serve_transparent(sock, accepted)
@@ -256,16 +259,28 @@ class FrontDoor:
             logger.exception("egress: the front door failed on a connection")
             refused = Refused(403, INTERNAL_ERROR, f"internal error: {type(exc).__name__}")
             with contextlib.suppress(Exception):
-                if accepted.closed:
+                if accepted.closed or accepted.handed:  # answered or the engine's: say only
                     self.vetter.refusal(refused, accepted.peer, None, None, "http", stage="engine")
                 else:
                     await self._refuse(sock, accepted, refused, None, None, stage="engine")
         finally:
+            if not accepted.closed and not accepted.handed:
+                # Ended before any tunnel or answer (gone, or refused unanswered): still one
+                # close line per connection.
+                if self.metrics is not None:
+                    self.metrics.connection_opened("l4", accepted.protocol)
+                self._closed(
+                    accepted, None, None, None, None, Counter(), accepted.reason, (),
+                    accepted.protocol,
+                )  # fmt: skip
             with contextlib.suppress(OSError):
                 sock.close()
 
-    async def _hand_off(self, sock: socket.socket, prefix: bytes, scheme: str) -> None:
+    async def _hand_off(
+        self, sock: socket.socket, accepted: _Accepted, prefix: bytes, scheme: str
+    ) -> None:
         engine = await self._engine()
+        accepted.handed = True
         # The engine owns the socket from here (a duplicate: ours is closed when we return).
         await engine.handoff(sock.dup(), prefix, scheme)
 
@@ -291,7 +306,7 @@ class FrontDoor:
             await self._refuse(sock, accepted, refused, None, None, stage="accept")
             return
         if not data.startswith(_CONNECT):
-            await self._hand_off(sock, data, "http")
+            await self._hand_off(sock, accepted, data, "http")
             return
         request = _parse_connect(data)
         if isinstance(request, Refused):
@@ -302,16 +317,32 @@ class FrontDoor:
         policy = self.vetter.policy
         decision = policy.decide(target)
         if decision.allowed and decision.needs_inspection:
-            await self._hand_off(sock, data, "http")  # interception is the engine's
+            await self._hand_off(sock, accepted, data, "http")  # interception is the engine's
             return
         await self._tunnel(sock, accepted, target, host, port, rest, decision)
+
+    def _refused_quietly(
+        self,
+        accepted: _Accepted,
+        refused: Refused,
+        host: str | None,
+        port: int | None,
+        *,
+        stage: str,
+        sni: str | None = None,
+    ) -> None:
+        """A redirected connection refused before any tunnel: nothing can be answered (the
+        client asked nothing of a proxy); the decision line now, the close line when it ends."""
+        extra = {"sni": sni} if sni is not None else {}
+        self.vetter.refusal(refused, accepted.peer, host, port, "tls", stage=stage, **extra)
+        accepted.reason = refused.reason
 
     async def _serve_transparent(self, sock: socket.socket, accepted: _Accepted) -> None:
         """A connection redirected to us (netfilter REDIRECT/DNAT; `--mode transparent`): TLS is
         decided on its SNI and relayed to a checked address of that name, never to the original
         destination, which is read only for its port; anything else goes to the engine, which
         decides plain HTTP on its Host header. No SNI and no Host: refused."""
-        peer = accepted.peer
+        accepted.protocol = "tls"
         try:
             original = original_destination(sock)
             if original == sock.getsockname()[:2]:
@@ -325,7 +356,7 @@ class FrontDoor:
                 NO_ORIGINAL_DESTINATION,
                 f"no original destination (not a redirected connection?): {exc.strerror or exc}",
             )
-            self.vetter.refusal(refused, peer, None, None, "tls", stage="accept")
+            self._refused_quietly(accepted, refused, None, None, stage="accept")
             return
         loop = asyncio.get_running_loop()
         data = b""
@@ -350,18 +381,18 @@ class FrontDoor:
         except TimeoutError:
             refused = Refused(408, HEADER_TIMEOUT, "no request head within the time limit")
         if refused is None and hello is None:
-            await self._hand_off(sock, data, "transparent")  # plain HTTP: the engine's
+            await self._hand_off(sock, accepted, data, "transparent")  # plain HTTP: the engine's
             return
         if refused is None and hello is not None and not hello.sni:
             refused = Refused(403, SNI_MISSING, "the ClientHello has no SNI")
         if refused is not None or hello is None or not hello.sni:
             assert refused is not None
-            self.vetter.refusal(refused, peer, None, port, "tls", stage="sni")
+            self._refused_quietly(accepted, refused, None, port, stage="sni")
             return
         host = canonical_host(hello.sni)
         if host.startswith("\0"):
             refused = Refused(403, SNI_MISMATCH, f"SNI {shown(hello.sni)!r} is not a host name")
-            self.vetter.refusal(refused, peer, None, port, "tls", stage="sni", sni=hello.sni)
+            self._refused_quietly(accepted, refused, None, port, stage="sni", sni=hello.sni)
             return
         target = authority(host, port)
         decision = self.vetter.policy.decide(target)
@@ -372,7 +403,7 @@ class FrontDoor:
                 "this host's rules need TLS inspection, which transparent mode does not do; "
                 "use the explicit proxy",
             )
-            self.vetter.refusal(refused, peer, host, port, "tls", stage="name", sni=hello.sni)
+            self._refused_quietly(accepted, refused, host, port, stage="name", sni=hello.sni)
             return
         await self._tunnel(
             sock, accepted, target, host, port, b"", decision, hello=data, sni=hello.sni
