@@ -5,6 +5,10 @@
     engine.set_policy(new_policy)  # reload: every later decision uses it
     await engine.stop()
 
+Behind the front door (`egress-proxy run` without `--engine-only`) the engine has no listener
+of its own: `Engine(..., fronted=True)`, `start(listeners=[])`, and the front door hands it each
+connection it does not serve itself with `handoff(sock, bytes_already_read, scheme)`.
+
 The addon (`EgressAddon`) is thin: mitmproxy's hooks are translated into calls of the policy core
 (`Policy.decide`, `Policy.check_addresses`) and our resolver, and the answers back into
 mitmproxy's terms (a 403 response, a refused server connection, a pinned address). What it

@@ -5,10 +5,12 @@
                admin=("127.0.0.1", 9901))
 
 Start-up order: read and compile everything (a PolicyError here is reported by the CLI with the
-same exit codes as `check`), open the audit log, load (or on first start create) the inspection
-CA, bind the admin listener, bind the engine's listeners, then mark the proxy ready. A CA
-problem exits before anything listens; a bind failure stops whatever was already started and
-exits 2.
+same exit codes as `check`), open the audit log; when the policy has URL-prefix rules, load the
+L7 engine and its inspection CA (created on first start); bind the admin listener, bind the
+front door's listeners (proxy/frontdoor.py: the fast path, which hands everything else to the
+engine, loaded then if not yet), then mark the proxy ready. A CA problem exits before anything
+listens; a bind failure stops whatever was already started and exits 2. With `--engine-only`
+the engine is loaded at start and listens itself (no fast path).
 
 Signals (handled on the event loop):
 - SIGTERM / SIGINT: `/readyz` turns 503 at once (draining), the proxy listener stops accepting,
@@ -19,8 +21,9 @@ Signals (handled on the event loop):
   policy that compiled replaces the running one; any failure keeps the old policy, says why on
   stderr and counts a failed reload. The new policy applies to every later decision, and live
   client connections (CONNECT tunnels, keep-alive plain HTTP) with a destination it denies are
-  closed (`Engine.set_policy`; their close lines say `policy_reload`). `limits` apply from
-  start-up only; a changed DNS configuration takes effect with a new resolver. Turning
+  closed (`FrontDoor.set_policy`, `Engine.set_policy`; their close lines say
+  `policy_reload`). `limits` apply from start-up only; a changed DNS configuration takes effect
+  with a new resolver. Turning
   inspection on, or changing its CA directory or upstream bundle, needs a restart (the reload
   fails and says so); turning it off closes the intercepted connections.
 """
