@@ -19,6 +19,13 @@ machine hits every one alike:
 - `engine`: `egress-proxy run --engine-only` (every connection through mitmproxy).
 - `fast-uvloop` (only when uvloop is importable): `fast` with uvloop's event loop policy set by
   a two-line launcher before the CLI runs (the proxy itself has no switch for it).
+- `bare`: a reference, not egress-proxy: this script's own minimal CONNECT relay
+  (`--role bare`), doing only the fast path's socket work: `loop.sock_accept`, read the head
+  until CRLFCRLF, `sock_connect` to the address on its command line (at the port the CONNECT
+  names: the upstream has a tunnel port and a bulk port), `200`, read the ClientHello record,
+  then `proxy.relay.relay(..., initial_up=hello)`. No DNS, policy, audit, metrics or timeouts:
+  the floor of Python asyncio for that work on this machine. `bare-uvloop` (only when uvloop is
+  importable): the same on uvloop's loop.
 
 Each proxy is a fresh process per round, with a manifest `network: egress: [bench.test]`, a DNS
 server of this script's own on 127.0.0.1 (tests/dns_server.py) answering bench.test with
@@ -69,7 +76,10 @@ MANIFEST = f"network:\n  egress: [{HOST}]\n"
 LISTENING = re.compile(
     r"listening on 127\.0\.0\.1:(\d+)(?: and \S+)* \(admin http://127\.0\.0\.1:(\d+)/"
 )
-CONFIGS = ("direct", "fast", "engine", "fast-uvloop")
+# The bare relay's line on stderr once it listens.
+BARE_LISTENING = re.compile(r"bare relay listening on 127\.0\.0\.1:(\d+)")
+CONFIGS = ("direct", "fast", "engine", "fast-uvloop", "bare", "bare-uvloop")
+UVLOOP_CONFIGS = ("fast-uvloop", "bare-uvloop")
 # Runs the CLI with uvloop's loop: asyncio.run() in proxy/runtime.py asks the policy for its loop.
 UVLOOP_LAUNCHER = (
     "import asyncio, sys, uvloop; asyncio.set_event_loop_policy(uvloop.EventLoopPolicy()); "
@@ -532,6 +542,98 @@ def client_main(loop_name: str) -> int:
 
 
 # --------------------------------------------------------------------------------------------
+# The bare relay: `tunnels.py --role bare --upstream 127.0.0.1 --loop asyncio|uvloop`
+#
+# The reference configurations `bare` and `bare-uvloop`: the socket work of the fast path and
+# nothing else (no DNS, no policy, no SNI gate, no audit, no metrics, no timeouts but the
+# relay's idle one), with egress-proxy's own relay. The connection's port is the CONNECT's (the
+# upstream process has two); its address is the one on the command line, never the head's.
+
+BARE_HEAD_LIMIT = 16384
+BARE_HELLO_LIMIT = 65536
+BARE_IDLE_TIMEOUT = 600.0  # the proxy's default limits.idle_timeout
+ESTABLISHED = b"HTTP/1.1 200 Connection established\r\n\r\n"
+
+
+async def _bare_serve(sock: socket.socket, upstream_host: str, relay: Any) -> None:
+    loop = asyncio.get_running_loop()
+    upstream = None
+    try:
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        data = b""
+        while (end := data.find(b"\r\n\r\n")) < 0:
+            chunk = await loop.sock_recv(sock, 65536)
+            if not chunk or len(data) > BARE_HEAD_LIMIT:
+                return
+            data += chunk
+        port = int(data[:end].split(b" ", 2)[1].rpartition(b":")[2])
+        upstream = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        upstream.setblocking(False)
+        upstream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        await loop.sock_connect(upstream, (upstream_host, port))
+        await loop.sock_sendall(sock, ESTABLISHED)
+        hello = data[end + 4 :]
+        while len(hello) < 5 or len(hello) < 5 + int.from_bytes(hello[3:5]):
+            chunk = await loop.sock_recv(sock, 65536)
+            if not chunk or len(hello) > BARE_HELLO_LIMIT:
+                return
+            hello += chunk
+        # The relay owns (and closes) both sockets from here.
+        target, upstream = upstream, None
+        await relay(sock, target, idle_timeout=BARE_IDLE_TIMEOUT, initial_up=hello)
+    except (OSError, ValueError, IndexError):
+        pass
+    finally:
+        if upstream is not None:
+            upstream.close()
+        sock.close()
+
+
+def bare_main(loop_name: str, upstream_host: str) -> int:
+    sys.path.insert(0, str(ROOT))
+    from proxy.relay import relay
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        stopped = loop.create_future()
+        loop.add_signal_handler(signal.SIGTERM, lambda: stopped.done() or stopped.set_result(None))
+        server = socket.create_server((LOOPBACK, 0), backlog=1024)
+        server.setblocking(False)
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def accept() -> None:
+            while True:
+                try:
+                    sock, _ = await loop.sock_accept(server)
+                except OSError:
+                    await asyncio.sleep(0.1)
+                    continue
+                task = loop.create_task(_bare_serve(sock, upstream_host, relay))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+
+        acceptor = loop.create_task(accept())
+        port = server.getsockname()[1]
+        print(f"bare relay listening on {LOOPBACK}:{port} ({loop_name})", file=sys.stderr)
+        sys.stderr.flush()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stopped, UPSTREAM_LIFETIME)
+        acceptor.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await acceptor
+        loop.remove_reader(server.fileno())
+        server.close()
+        for task in tasks:
+            task.cancel()  # the relay closes its sockets on cancellation
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
+
+    run_loop(main, loop_name)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
 # The orchestrator: DNS server, upstream, proxies, client jobs, the report.
 
 
@@ -564,7 +666,7 @@ def _http_get(port: int, path: str, timeout: float = 2.0) -> tuple[int, bytes]:
 
 @dataclass
 class Proxy:
-    """One `egress-proxy run` process, from start to stop."""
+    """One `egress-proxy run` process (or, for `bare*`, the bare relay), from start to stop."""
 
     config: str
     directory: Path
@@ -574,6 +676,10 @@ class Proxy:
     admin_port: int = 0
     listening_s: float = 0.0
     ready_s: float = 0.0
+
+    @property
+    def bare(self) -> bool:
+        return self.config.startswith("bare")
 
     @classmethod
     def start(cls, config: str, directory: Path, env: dict[str, str]) -> Proxy:
@@ -585,7 +691,10 @@ class Proxy:
         args += ["--session-id", f"bench-{config}", "--audit-log", str(audit)]
         if config == "engine":
             args.append("--engine-only")
-        if config == "fast-uvloop":
+        if config.startswith("bare"):
+            loop = "uvloop" if config == "bare-uvloop" else "asyncio"
+            command = [*_role_command("bare", loop), "--upstream", LOOPBACK]
+        elif config == "fast-uvloop":
             command = [sys.executable, "-c", UVLOOP_LAUNCHER, *args]
         else:
             command = [sys.executable, "-m", "proxy", *args]
@@ -610,7 +719,13 @@ class Proxy:
     def _wait_ready(self, stderr: Path) -> None:
         deadline = self.started + READY_TIMEOUT
         while not self.port:
-            match = LISTENING.search(stderr.read_text(errors="replace"))
+            text = stderr.read_text(errors="replace")
+            match = (BARE_LISTENING if self.bare else LISTENING).search(text)
+            if match and self.bare:
+                # No admin endpoint: ready is listening.
+                self.port = int(match[1])
+                self.listening_s = self.ready_s = time.perf_counter() - self.started
+                return
             if match:
                 self.port, self.admin_port = int(match[1]), int(match[2])
                 self.listening_s = time.perf_counter() - self.started
@@ -868,7 +983,8 @@ def one_round(config: str, directory: Path, bench: Bench) -> dict[str, Any]:
         if proxy is not None:
             after = proc_memory(proxy.pid)
             out.update(rss_after_mb=after.get("VmRSS"), rss_peak_mb=after.get("VmHWM"))
-            out["metrics"] = proxy.metrics()
+            if not proxy.bare:
+                out["metrics"] = proxy.metrics()
     finally:
         if proxy is not None:
             out["exit_code"] = proxy.stop()
@@ -1097,7 +1213,10 @@ taken within each round, then the median):
 - bulk: one tunnel, {settings.bulk_bytes / MIB:,.0f} MiB up (client sendall in 1 MiB chunks to an
   upstream that sinks them) and down (the upstream sends, the client reads into 1 MiB); from the
   command to the upstream's byte count (up) or the last byte (down). MB = 10^6 bytes.
-  proxy CPU s/GiB: the proxy's utime+stime over the transfer / GiB moved."""
+  proxy CPU s/GiB: the proxy's utime+stime over the transfer / GiB moved.
+- bare, bare-uvloop: not egress-proxy but this script's minimal CONNECT relay (accept, head,
+  connect, 200, ClientHello, proxy.relay.relay; no DNS/policy/audit/metrics), on asyncio /
+  uvloop: the floor of Python asyncio for the fast path's socket work. ready s: listening."""
 
 
 def machine() -> dict[str, Any]:
@@ -1144,7 +1263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--configs",
         help=f"comma-separated, of {','.join(CONFIGS)} (default: all; fast-uvloop when "
-        "uvloop is importable)",
+        "uvloop is importable; bare-uvloop likewise)",
     )
     parser.add_argument("--bulk-mib", type=int, help="bulk size per direction (default 1024)")
     parser.add_argument(
@@ -1163,13 +1282,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=2,
         help=f"client processes sharing the {CLIENTS} clients of the rate phase (default 2)",
     )
-    parser.add_argument("--role", choices=("upstream", "client"), help=argparse.SUPPRESS)
+    parser.add_argument("--role", choices=("upstream", "client", "bare"), help=argparse.SUPPRESS)
+    parser.add_argument("--upstream", default=LOOPBACK, help=argparse.SUPPRESS)  # bare only
     args = parser.parse_args(argv)
     loop_name = pick_loop(args.loop)
     if args.role == "upstream":
         return upstream_main(loop_name)
     if args.role == "client":
         return client_main(loop_name)
+    if args.role == "bare":
+        return bare_main(loop_name, args.upstream)
 
     if not 1 <= args.client_procs <= CLIENTS:
         parser.error(f"--client-procs must be between 1 and {CLIENTS}")
@@ -1185,10 +1307,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         unknown = [c for c in configs if c not in CONFIGS]
         if unknown:
             parser.error(f"unknown configuration(s): {', '.join(unknown)}")
-        if "fast-uvloop" in configs and not have_uvloop:
-            parser.error("fast-uvloop needs uvloop importable")
+        for config in configs:
+            if config in UVLOOP_CONFIGS and not have_uvloop:
+                parser.error(f"{config} needs uvloop importable")
     else:
-        configs = [c for c in CONFIGS if c != "fast-uvloop" or have_uvloop]
+        configs = [c for c in CONFIGS if c not in UVLOOP_CONFIGS or have_uvloop]
 
     sys.path.insert(0, str(ROOT / "tests"))
     from dns_server import running_dns_server
