@@ -194,6 +194,11 @@ def parse_address(text: str) -> IPAddress | None:
     """
     if not isinstance(text, str):
         return None
+    # A host name (the common input, once per connection) cannot be an address: every IPv4
+    # spelling accepted below starts with a digit and every IPv6 one has a colon. Saying so
+    # here spares ipaddress raising and catching a ValueError for it.
+    if not (text[:1].isdigit() or ":" in text):
+        return None
     bracketed = text.startswith("[") and text.endswith("]")
     if bracketed:
         text = text[1:-1]
