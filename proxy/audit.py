@@ -44,6 +44,10 @@ MAX_ADDRESS = 64  # longest IPv6 text with a zone id fits easily
 Client = str | tuple[str, int] | tuple[str, int, int, int] | None
 
 
+# One encoder for every line (json.dumps builds a new one per call when given options).
+_ENCODE = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"), default=str).encode
+
+
 def _timestamp(seconds: float) -> str:
     """RFC 3339, UTC, millisecond precision, with a `Z` (what most log tooling parses)."""
     whole = math.floor(seconds)
@@ -77,8 +81,8 @@ class _Record:
         self.truncated: list[str] = []
 
     def text(self, key: str, value: object, cap: int = MAX_FIELD) -> None:
-        if value is None:
-            self.data[key] = None
+        if value is None or (type(value) is str and len(value) <= cap):
+            self.data[key] = value  # the common case, a dozen times per line
             return
         if isinstance(value, bytes | bytearray):
             text = bytes(value).decode("utf-8", "backslashreplace")
@@ -290,7 +294,7 @@ class AuditLog:
 
     def write(self, event: DecisionEvent | CloseEvent) -> None:
         record = event.to_json(session=self.session, now=self._clock())
-        line = json.dumps(record, ensure_ascii=True, separators=(",", ":"), default=str) + "\n"
+        line = _ENCODE(record) + "\n"
         self._emit(line)
 
     # -- output -------------------------------------------------------------------------------
