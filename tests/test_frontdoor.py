@@ -30,7 +30,15 @@ import pytest
 import trustme
 from dns_server import DNSServer
 from running import make_config, metric_value
-from test_engine import Upstream, answering, client_hello, closed_by_peer, free_port, serving
+from test_engine import (
+    ExplodingPolicy,
+    Upstream,
+    answering,
+    client_hello,
+    closed_by_peer,
+    free_port,
+    serving,
+)
 from test_engine import curl as engine_curl
 
 from policy import compile_policy, load_manifest
@@ -877,18 +885,6 @@ async def test_drain_stops_accepting_and_closes_what_remains_after_the_timeout(
     lingered = next(x for x in closes if x["host"] == "tls.test")
     assert lingered["reason"] == "cancelled"
     assert lingered["bytes_up"] == len(client_hello("tls.test"))
-
-
-class ExplodingPolicy:
-    """A policy whose every call raises: the fast path must deny, as the engine does."""
-
-    operator = None
-
-    def decide(self, target: object) -> object:
-        raise RuntimeError("boom")
-
-    def check_addresses(self, *args: object, **kwargs: object) -> object:
-        raise RuntimeError("boom")
 
 
 @pytest.mark.asyncio
