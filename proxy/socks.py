@@ -19,6 +19,8 @@ from mitmproxy.proxy import commands, events, layer
 from mitmproxy.proxy.context import Context
 from mitmproxy.proxy.layers import modes
 
+from proxy.refusals import UPSTREAM_REFUSED
+
 SUCCEEDED = 0
 GENERAL_FAILURE = 1
 NOT_ALLOWED = 2
@@ -44,7 +46,7 @@ class EgressSocksConnectHook(commands.StartHook):
 
 
 def reply_for_dial_error(error: str) -> int:
-    return CONNECTION_REFUSED if "upstream_refused" in error else HOST_UNREACHABLE
+    return CONNECTION_REFUSED if UPSTREAM_REFUSED in error else HOST_UNREACHABLE
 
 
 class EgressSocks5(modes.Socks5Proxy):

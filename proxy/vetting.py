@@ -99,20 +99,7 @@ class Vetter:
 
     def allowed(self, peer: Peer, protocol: str, *, stage: str, **context: Any) -> None:
         """Metrics and audit for an allow of the runtime's own (the SNI gate)."""
-        if self.metrics is not None:
-            self.metrics.decision(True, d.ALLOWED, stage, self.plane)
-        self.event(
-            DecisionEvent(
-                decision="allow",
-                reason=d.ALLOWED,
-                stage=stage,
-                plane=self.plane,
-                protocol=protocol,
-                client=peer.client,
-                connection=peer.connection,
-                **context,
-            )
-        )
+        self._own(True, d.ALLOWED, peer, protocol, stage, context)
 
     def refusal(
         self,
@@ -126,20 +113,29 @@ class Vetter:
         **context: Any,
     ) -> None:
         """Metrics and audit for a denial the policy core did not produce itself."""
+        context.update(host=host, port=port, message=refused.message)
+        self._own(False, refused.reason, peer, protocol, stage, context)
+
+    def _own(
+        self,
+        allowed: bool,
+        reason: str,
+        peer: Peer,
+        protocol: str,
+        stage: str,
+        context: dict[str, Any],
+    ) -> None:
         if self.metrics is not None:
-            self.metrics.decision(False, refused.reason, stage, self.plane)
+            self.metrics.decision(allowed, reason, stage, self.plane)
         self.event(
             DecisionEvent(
-                decision="deny",
-                reason=refused.reason,
-                host=host,
-                port=port,
+                decision="allow" if allowed else "deny",
+                reason=reason,
                 stage=stage,
                 plane=self.plane,
                 protocol=protocol,
                 client=peer.client,
                 connection=peer.connection,
-                message=refused.message,
                 **context,
             )
         )
