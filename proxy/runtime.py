@@ -268,9 +268,7 @@ class Runtime:
         """The running engine, started on first use (one start even for concurrent callers)."""
         async with self._engine_lock:
             if self.engine is None or self.engine.master is None:
-                engine = self.engine if self.engine is not None else self._new_engine()
-                engine.prepare()
-                await self._start_engine(listeners=[])
+                await self._start_engine(listeners=[])  # prepares the engine's CA too
             assert self.engine is not None
             return self.engine
 
