@@ -10,6 +10,7 @@ engine, a raw non-blocking socket in the fast path.
 from __future__ import annotations
 
 import asyncio
+import errno
 import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -70,14 +71,40 @@ async def dial_checked[T](
 
 
 async def connect_socket(address: str, port: int) -> socket.socket:
-    """A connected non-blocking TCP socket to a numeric address (never a name lookup)."""
+    """A connected non-blocking TCP socket to a numeric address (never a name lookup).
+
+    The connect is driven here rather than by `loop.sock_connect`, which passes every address
+    through its resolver path first: the address is numeric, and this runs once per tunnel."""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM | _NONBLOCK)
     try:
-        sock.setblocking(False)
+        if not _NONBLOCK:
+            sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        await asyncio.get_running_loop().sock_connect(sock, (address, port))
+        error = sock.connect_ex((address, port))
+        if error in _IN_PROGRESS:
+            loop = asyncio.get_running_loop()
+            writable = loop.create_future()
+            fd = sock.fileno()
+            loop.add_writer(fd, _wake, writable)
+            try:
+                await writable
+            finally:
+                loop.remove_writer(fd)
+            error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if error:
+            raise OSError(error, f"connect to {authority(address, port)} failed")
     except BaseException:
         sock.close()
         raise
     return sock
+
+
+_IN_PROGRESS = frozenset({errno.EINPROGRESS, errno.EINTR})
+# Linux: the socket is made non-blocking by socket() itself, one system call fewer.
+_NONBLOCK = getattr(socket, "SOCK_NONBLOCK", 0)
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

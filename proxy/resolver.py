@@ -89,6 +89,7 @@ class _Family:
 class _CacheEntry:
     expires: float
     outcome: Answer | _Failure
+    hit: Answer | None = None  # `outcome` as a cache hit delivers it, made on the first hit
 
 
 def _text(name: dns.name.Name) -> str:
@@ -209,9 +210,11 @@ class Resolver:
         """The addresses of `host` (already normalised by policy: lowercase A-labels)."""
         # The cache holds only names that were checked on their way in (below), so a hit needs
         # no check again: it is the common case, once per connection.
-        cached = self._cache_get(host)
-        if cached is not None:
-            return self._deliver(cached, from_cache=True)
+        entry = self._cache_get(host)
+        if entry is not None:
+            if entry.hit is None:
+                entry.hit = self._deliver(entry.outcome, from_cache=True)
+            return entry.hit
         task = self._inflight.get(host)
         if task is None:
             qname = self._qname(host)  # refuses literals and garbage before any query
@@ -256,7 +259,7 @@ class Resolver:
         if self._inflight.get(host) is task:
             del self._inflight[host]
 
-    def _cache_get(self, host: str) -> Answer | _Failure | None:
+    def _cache_get(self, host: str) -> _CacheEntry | None:
         entry = self._cache.get(host)
         if entry is None:
             return None
@@ -264,7 +267,7 @@ class Resolver:
             del self._cache[host]
             return None
         self._cache.move_to_end(host)
-        return entry.outcome
+        return entry
 
     def _cache_put(self, host: str, outcome: Answer | _Failure, seconds: float) -> None:
         if seconds <= 0:

@@ -55,6 +55,24 @@ def canonical_host(host: str) -> str:
         return "\0" + host
 
 
+# Per policy, the name-stage and address-stage answers already given (both are pure functions
+# of the policy and their arguments): a busy session asks the same few hosts again and again.
+# Bounded, as the keys come from clients and DNS answers: each dict starts over when full, and
+# only short targets (a host name is at most 253 characters) and short answers are kept.
+MEMO_ENTRIES = 1024
+MEMO_TARGET = 300
+MEMO_ADDRESSES = 16
+
+
+class _Memo:
+    __slots__ = ("addresses", "decisions", "policy")
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self.decisions: dict[str, Decision] = {}
+        self.addresses: dict[tuple[str, tuple[str, ...], tuple[str, ...]], AddressDecision] = {}
+
+
 class Vetter:
     """Decides destinations for one plane (`l4` or `l7`); `policy` and `resolver` are swapped
     by a reload, and a decision in flight keeps the policy it started with."""
@@ -73,6 +91,49 @@ class Vetter:
         self.metrics = metrics
         self.audit = audit
         self.plane = plane
+        self._memo = _Memo(policy)
+
+    def _memo_of(self, policy: Policy) -> _Memo:
+        memo = self._memo
+        if memo.policy is not policy:
+            memo = _Memo(policy)
+            if policy is self.policy:  # a decision begun before a reload keeps its own
+                self._memo = memo
+        return memo
+
+    def decide(self, target: str, policy: Policy | None = None) -> Decision:
+        """`policy.decide(target)` (the current policy by default), remembered per policy."""
+        if policy is None:
+            policy = self.policy
+        decisions = self._memo_of(policy).decisions
+        decision = decisions.get(target)
+        if decision is None:
+            decision = policy.decide(target)
+            if len(target) <= MEMO_TARGET:
+                if len(decisions) >= MEMO_ENTRIES:
+                    decisions.clear()
+                decisions[target] = decision
+        return decision
+
+    def _check_addresses(
+        self,
+        policy: Policy,
+        host: str,
+        addresses: tuple[str, ...],
+        cname_chain: tuple[str, ...],
+    ) -> AddressDecision:
+        """`policy.check_addresses(...)`, remembered per policy (a cached DNS answer is the
+        same tuple each time)."""
+        checks = self._memo_of(policy).addresses
+        key = (host, addresses, cname_chain)
+        checked = checks.get(key)
+        if checked is None:
+            checked = policy.check_addresses(host, addresses, cname_chain=cname_chain)
+            if len(addresses) + len(cname_chain) <= MEMO_ADDRESSES:
+                if len(checks) >= MEMO_ENTRIES:
+                    checks.clear()
+                checks[key] = checked
+        return checked
 
     # -- metrics and audit -------------------------------------------------------------------
 
@@ -145,7 +206,7 @@ class Vetter:
     async def vet(
         self,
         target: str,
-        port: int,
+        port: int | None,
         peer: Peer,
         protocol: str,
         *,
@@ -153,13 +214,14 @@ class Vetter:
         decision: Decision | None = None,
         **context: Any,
     ) -> Vetted:
-        """Name stage on `target` (an authority or a URL), DNS once, address stage. A host
+        """Name stage on `target` (an authority, a URL, or a bare host with `port` None: the DNS
+        responder's question), DNS once, address stage. A host
         whose rules need inspection passes only when the caller is `inspecting`. `decision`:
         the name stage already taken by the caller on this very policy. Raises Refused (403
         for denials, 502 for DNS failures)."""
         policy = self.policy  # one policy for the whole decision, even across a reload
         if decision is None:
-            decision = policy.decide(target)
+            decision = self.decide(target, policy)
         self.record(decision, peer, protocol, **context)
         if not decision.allowed:
             raise Refused(403, decision.reason, decision.message)
@@ -171,8 +233,8 @@ class Vetter:
             raise refused
         host = decision.host
         literal = parse_ip_literal(host)
-        addresses: Sequence[str]
-        cname_chain: Sequence[str] = ()
+        addresses: tuple[str, ...]
+        cname_chain: tuple[str, ...] = ()
         if literal is not None:
             addresses = (str(literal),)
         else:
@@ -189,8 +251,8 @@ class Vetter:
                 raise refused from None
             if self.metrics is not None:
                 self.metrics.dns_lookup(time.monotonic() - started, "ok")
-            addresses, cname_chain = answer.addresses, answer.cname_chain
-        checked = policy.check_addresses(host, addresses, cname_chain=cname_chain)
+            addresses, cname_chain = tuple(answer.addresses), tuple(answer.cname_chain)
+        checked = self._check_addresses(policy, host, addresses, cname_chain)
         self.record(checked, peer, protocol, port=port, rule=decision.rule, **context)
         if not checked.allowed or not checked.pinned:
             raise Refused(403, checked.reason or d.NO_ADDRESSES, checked.message)

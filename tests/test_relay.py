@@ -157,7 +157,15 @@ def reset(sock: socket.socket) -> None:
 
 
 def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+    """Open fds, less the relay's spare pipes (kept open for the next relay on purpose)."""
+    return len(os.listdir("/proc/self/fd")) - 2 * len(relay_module._spare_pipes)
+
+
+def pipe_bytes(fd: int) -> int:
+    import fcntl
+    import termios
+
+    return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, bytes(4)))[0]
 
 
 def registered_fds() -> int | None:
@@ -479,6 +487,7 @@ async def test_splice_refused_before_any_byte_falls_back_to_copy(
         raise OSError(code, os.strerror(code))
 
     monkeypatch.setattr(os, failing, refuse)
+    monkeypatch.setattr(relay_module, "_spare_pipes", [])  # so that pipe2 is called
     payload = random.Random(8).randbytes(1 << 20)
     async with relayed("splice") as ends, asyncio.timeout(LIMIT):
         _, _, at_upstream, at_client = await asyncio.gather(
@@ -589,3 +598,108 @@ def test_pipe_growth_refused_keeps_the_default(monkeypatch: pytest.MonkeyPatch) 
 
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+# ---- spare pipes
+
+
+@pytest.mark.asyncio
+@pytest.mark.skipif(not splice_available(), reason="os.splice is not available")
+async def test_the_next_relay_takes_the_pipes_of_the_last(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(relay_module, "_spare_pipes", [])
+    created: list[tuple[int, int]] = []
+    real_pipe2 = os.pipe2
+
+    def recording(flags: int) -> tuple[int, int]:
+        created.append(real_pipe2(flags))
+        return created[-1]
+
+    monkeypatch.setattr(os, "pipe2", recording)
+    try:
+        for n in range(3):
+            async with relayed("splice") as ends, asyncio.timeout(LIMIT):
+                await send_all(ends.client, b"ping %d" % n)
+                await send_all(ends.upstream, b"pong %d" % n)
+                assert await receive_all(ends.upstream) == (6, _sha(b"ping %d" % n))
+                assert await receive_all(ends.client) == (6, _sha(b"pong %d" % n))
+                assert (await ends.result()).reason == "closed"
+            assert len(created) == 2  # the first relay's two pipes, and none since
+            assert sorted(fds[:2] for fds in relay_module._spare_pipes) == sorted(created)
+            assert all(pipe_bytes(r) == 0 for r, _, _ in relay_module._spare_pipes)
+    finally:
+        for r, w, _ in relay_module._spare_pipes:
+            os.close(r)
+            os.close(w)
+
+
+@pytest.mark.asyncio
+@pytest.mark.skipif(not splice_available(), reason="os.splice is not available")
+async def test_a_pipe_holding_bytes_is_never_spared(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cancelled with bytes in both pipes (nobody reading either end): those pipes are closed,
+    so no byte of this tunnel can come out of the next one."""
+    monkeypatch.setattr(relay_module, "_spare_pipes", [])
+    fds_before = open_fds()
+    try:
+        # Small socket buffers and less than GROW_AFTER each way: the pipes fill up, and stay
+        # default ones (a grown pipe is never spared anyway).
+        async with relayed("splice", buffer=8 << 10) as ends, asyncio.timeout(LIMIT):
+            loop = asyncio.get_running_loop()
+            size = relay_module.GROW_AFTER // 2
+            pushing = [
+                asyncio.create_task(loop.sock_sendall(ends.upstream, bytes(size))),
+                asyncio.create_task(loop.sock_sendall(ends.client, bytes(size))),
+            ]
+            relay_state: list[Any] = []
+            for _ in range(200):
+                relay_state = [
+                    d
+                    for d in _live_directions()
+                    if d.buffered and d.pipe_r >= 0 and pipe_bytes(d.pipe_r)
+                ]
+                if len(relay_state) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert len(relay_state) == 2, "both pipes should hold bytes by now"
+            assert not any(d.grown for d in relay_state)
+            ends.task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await ends.task
+            for task in pushing:
+                task.cancel()
+            await asyncio.gather(*pushing, return_exceptions=True)
+        assert relay_module._spare_pipes == []
+        assert open_fds() == fds_before
+    finally:
+        for r, w, _ in relay_module._spare_pipes:
+            os.close(r)
+            os.close(w)
+
+
+@pytest.mark.asyncio
+@pytest.mark.skipif(not splice_available(), reason="os.splice is not available")
+async def test_a_grown_pipe_is_never_spared(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(relay_module, "_spare_pipes", [])
+    payload = random.Random(9).randbytes(relay_module.GROW_AFTER * 2)
+    try:
+        async with relayed("splice", pipe_size=1 << 20) as ends, asyncio.timeout(LIMIT):
+            await asyncio.gather(send_all(ends.client, payload), send_all(ends.upstream, b"small"))
+            assert await receive_all(ends.upstream) == (len(payload), _sha(payload))
+            assert await receive_all(ends.client) == (5, _sha(b"small"))
+            assert (await ends.result()).reason == "closed"
+        # The small direction's pipe is spared; the bulk one, grown, is closed.
+        assert len(relay_module._spare_pipes) == 1
+        [(r, w, size)] = relay_module._spare_pipes
+        import fcntl
+
+        assert size == fcntl.fcntl(w, fcntl.F_GETPIPE_SZ) < 1 << 20
+    finally:
+        for r, w, _ in relay_module._spare_pipes:
+            os.close(r)
+            os.close(w)
+
+
+def _live_directions() -> list[Any]:
+    """The _Direction objects of the relays alive now (found through the garbage collector)."""
+    import gc
+
+    return [o for o in gc.get_objects() if type(o).__name__ == "_Direction"]
