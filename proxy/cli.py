@@ -30,8 +30,10 @@ from policy import (
 from policy.hostnames import normalize_host, parse_ip_literal
 from policy.manifests import FORMATS
 from policy.urls import parse_target
+from proxy.boundary import add_boundary_parser, cmd_boundary
 from proxy.config import Config, load_config
 from proxy.inputs import load_inputs, read_input, source_name
+from proxy.sandbox_cli import add_sandbox_parser, cmd_sandbox
 from proxy.terminal import printable
 
 EXIT_OK, EXIT_FINDINGS, EXIT_INPUT, EXIT_INTERNAL = 0, 1, 2, 70
@@ -90,8 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--listen",
         metavar="[SCHEME://]HOST:PORT",
         action="append",
-        help="proxy listener; repeat for several; SCHEME http (default) or socks5 "
-        "(default: 127.0.0.1:3128)",
+        help="proxy listener; repeat for several; SCHEME http (default), socks5 or transparent "
+        "(connections redirected to it by netfilter) (default: 127.0.0.1:3128)",
+    )
+    run.add_argument(
+        "--dns-listen",
+        metavar="HOST:PORT",
+        action="append",
+        help="DNS responder (UDP and TCP) answering A/AAAA for the names the policy allows, "
+        "REFUSED for the others, never forwarding; repeat for several",
     )
     run.add_argument(
         "--admin", metavar="HOST:PORT", default="127.0.0.1:9901", help="/healthz /readyz /metrics"
@@ -100,8 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--mode",
         choices=("explicit", "transparent"),
         default="explicit",
-        help="explicit: clients name the proxy (HTTP, SOCKS5); transparent: connections are "
-        "redirected to --listen by netfilter and decided on their SNI or Host header",
+        help="explicit: clients name the proxy (HTTP, SOCKS5); transparent: every --listen "
+        "without a scheme is transparent://, serving connections redirected to it by netfilter, "
+        "decided on their SNI or Host header",
     )
     run.add_argument(
         "--engine-only",
@@ -110,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--session-id", metavar="ID", help="session id written on every audit line")
     run.add_argument("--audit-log", metavar="FILE", help="append audit lines here (default stdout)")
+    add_boundary_parser(sub)
+    add_sandbox_parser(sub)
     return parser
 
 
@@ -350,14 +362,18 @@ def cmd_run(args: argparse.Namespace, out: TextIO) -> int:
     # Imported here: check, explain and classify never load mitmproxy.
     from proxy import runtime
     from proxy.admin import parse_listen
-    from proxy.listen import Listener, check_listeners, parse_listener
+    from proxy.listen import check_listeners, parse_dns_listener, parse_listener
 
-    listen = [parse_listener(text) for text in args.listen or ["127.0.0.1:3128"]]
-    check_listeners(listen)
-    if args.mode == "transparent":
-        if any(listener.scheme != "http" for listener in listen):
-            raise PolicyError("usage", "run: --mode transparent takes --listen HOST:PORT only")
-        listen = [Listener("transparent", x.host, x.port) for x in listen]
+    # `--mode transparent` is sugar: a listener written without a scheme is transparent.
+    bare = "transparent" if args.mode == "transparent" else "http"
+    listen = [parse_listener(text, bare=bare) for text in args.listen or ["127.0.0.1:3128"]]
+    dns_listen = [parse_dns_listener(text) for text in args.dns_listen or []]
+    check_listeners([*listen, *dns_listen], engine_only=args.engine_only)
+    if args.engine_only and any(x.scheme == "transparent" for x in listen):
+        # The engine alone has no SNI gate for redirected TLS: the front door decides it.
+        raise PolicyError(
+            "usage", "run: --engine-only serves explicit listeners only (http://, socks5://)"
+        )
     admin = parse_listen(args.admin)
     # Everything is read and compiled before anything listens: a problem exits here.
     inputs = runtime.read_inputs(
@@ -372,10 +388,13 @@ def cmd_run(args: argparse.Namespace, out: TextIO) -> int:
         session_id=args.session_id,
         audit_log=args.audit_log,
         engine_only=args.engine_only,
+        dns_listen=dns_listen,
     )
 
 
 COMMANDS = {"check": cmd_check, "explain": cmd_explain, "classify": cmd_classify, "run": cmd_run}
+COMMANDS["boundary"] = cmd_boundary
+COMMANDS["sandbox"] = cmd_sandbox
 
 
 _HEADLINES = {

@@ -7,7 +7,9 @@
 
 Behind the front door (`egress-proxy run` without `--engine-only`) the engine has no listener
 of its own: `Engine(..., fronted=True)`, `start(listeners=[])`, and the front door hands it each
-connection it does not serve itself with `handoff(sock, bytes_already_read, scheme)`.
+connection it does not serve itself with `handoff(sock, bytes_already_read, scheme)`. The DNS
+listeners (`--dns-listen`) are the engine's own even then: `start(listeners=[Listener("dns",
+...)])` serves mitmproxy's DNS mode, UDP and TCP, answered by proxy/dns_mode.py.
 
 The addon (`EgressAddon`) is thin: mitmproxy's hooks are translated into calls of the policy core
 (`Policy.decide`, `Policy.check_addresses`) and our resolver, and the answers back into
@@ -82,6 +84,8 @@ from mitmproxy.proxy.layers.http import _http1 as mitm_http1_layer
 from proxy.audit import CloseEvent
 from proxy.ca import CertificateAuthority, check_upstream_ca, ensure_ca
 from proxy.dialing import UpstreamError, dial_checked
+from proxy.dns_answers import DnsResponder
+from proxy.dns_mode import UDP_IDLE_SECONDS, DnsLayer, EgressDnsAddon, is_dns_client
 from proxy.errors import ProxyError
 from proxy.listen import Listener
 from proxy.refusals import (
@@ -406,6 +410,8 @@ class EgressAddon:
 
     def client_connected(self, client: Client) -> None:
         try:
+            if is_dns_client(client):
+                return  # the DNS responder's (proxy/dns_mode.py): not a proxy connection
             if self.max_connections is not None and len(self._clients) >= self.max_connections:
                 self._reject_overload(client)
                 return
@@ -467,6 +473,8 @@ class EgressAddon:
 
     def client_disconnected(self, client: Client) -> None:
         try:
+            if is_dns_client(client):
+                return
             if client.id in self._rejected:
                 self._rejected.discard(client.id)
                 return
@@ -968,6 +976,8 @@ def _close_client(client_id: str, why: str) -> None:
 
 
 _original_socks5_layer = mode_servers.Socks5Instance.make_top_layer
+_original_dns_layer = mode_servers.DnsInstance.make_top_layer
+_original_udp_timeout = mitm_server.UDP_TIMEOUT
 
 
 def _make_socks5_layer(self: Any, context: Any) -> layer.Layer:
@@ -976,10 +986,23 @@ def _make_socks5_layer(self: Any, context: Any) -> layer.Layer:
     return EgressSocks5(context)
 
 
+def _make_dns_layer(self: Any, context: Any) -> layer.Layer:
+    """DnsInstance.make_top_layer while an engine runs: our DNS layer, which never forwards
+    (proxy/dns_mode.py)."""
+    engine = _running
+    if engine is None:
+        raise ProxyError("engine_stopped", "the engine is not running")
+    return DnsLayer(context, engine.dns_responder)
+
+
+_MODES = {"http": "regular", "socks5": "socks5", "transparent": "transparent", "dns": "dns"}
+
+
 def _mode_spec(listener: Listener) -> str:
-    """mitmproxy's mode spec for a listener: `regular@HOST:PORT` or `socks5@HOST:PORT` (an
-    IPv6 host unbracketed: mitmproxy splits host and port at the last colon)."""
-    mode = {"http": "regular", "socks5": "socks5", "transparent": "transparent"}[listener.scheme]
+    """mitmproxy's mode spec for a listener: `regular@HOST:PORT`, `socks5@HOST:PORT`,
+    `dns@HOST:PORT`, ... (an IPv6 host unbracketed: mitmproxy splits host and port at the last
+    colon)."""
+    mode = _MODES[listener.scheme]
     return f"{mode}@{listener.host}:{listener.port}"
 
 
@@ -1013,7 +1036,8 @@ class Engine:
         fronted: bool = False,
     ) -> None:
         """`fronted`: connections come from the front door (`handoff`), which also enforces
-        limits.max_connections over both planes."""
+        limits.max_connections over both planes; the engine listens itself only for what
+        `start(listeners=...)` names (the DNS listeners behind a front door)."""
         self.config = config
         self.session_id = session_id
         self.addon = EgressAddon(
@@ -1025,6 +1049,9 @@ class Engine:
             max_connections=None if fronted else config.limits.max_connections,
             header_timeout=config.limits.header_timeout,
         )
+        # The DNS listeners' answers: the addon's Vetter, so a reload's policy and resolver
+        # are theirs too.
+        self.dns_responder = DnsResponder(self.addon.vetter, metrics)
         self.master: Master | None = None
         self.address: tuple[str, int] | None = None
         self.ca: CertificateAuthority | None = None
@@ -1130,6 +1157,9 @@ class Engine:
         mitm_server.asyncio = _AsyncioShim()  # type: ignore[attr-defined]
         mitm_http1_layer.make_error_response = _make_error_response
         mode_servers.Socks5Instance.make_top_layer = _make_socks5_layer  # type: ignore[method-assign]
+        mode_servers.DnsInstance.make_top_layer = _make_dns_layer  # type: ignore[method-assign]
+        # Only DNS listeners are UDP here (proxy/dns_mode.py says why this is not 20 s).
+        mitm_server.UDP_TIMEOUT = UDP_IDLE_SECONDS  # type: ignore[attr-defined]
         try:
             ca = self.prepare()
             inspect = ca is not None
@@ -1142,7 +1172,12 @@ class Engine:
             server = proxyserver.Proxyserver()
             # Order matters: our hooks run before mitmproxy's (server_connect pins before
             # Proxyserver's self-connect check; next_layer claims tunnels first).
-            addons: list[Any] = [self.addon, server, _GuardedNextLayer(self.addon)]
+            addons: list[Any] = [
+                self.addon,
+                EgressDnsAddon(self.dns_responder),
+                server,
+                _GuardedNextLayer(self.addon),
+            ]
             if inspect:
                 addons += [tlsconfig.TlsConfig(), _ServerTlsFirst()]
             master.addons.add(*addons)
@@ -1196,6 +1231,13 @@ class Engine:
                 addresses = instance.listen_addrs
                 if not addresses:
                     raise ProxyError("listen_failed", f"{listener} bound no address")
+                if len({address[1] for address in addresses}) != 1:
+                    # A DNS listener binds UDP and TCP; with port 0 mitmproxy looks for a port
+                    # free for both, and may fall back to two different ones.
+                    raise ProxyError(
+                        "listen_failed",
+                        f"{listener} bound UDP and TCP on different ports; give it a port",
+                    )
                 bound.append(Listener(listener.scheme, addresses[0][0], addresses[0][1]))
             self.listeners = tuple(bound)
             self.address = (bound[0].host, bound[0].port)
@@ -1233,5 +1275,7 @@ class Engine:
                 mitm_server.asyncio = asyncio  # type: ignore[attr-defined]
                 mitm_http1_layer.make_error_response = _original_make_error_response
                 mode_servers.Socks5Instance.make_top_layer = _original_socks5_layer  # type: ignore[method-assign]
+                mode_servers.DnsInstance.make_top_layer = _original_dns_layer  # type: ignore[method-assign]
+                mitm_server.UDP_TIMEOUT = _original_udp_timeout  # type: ignore[attr-defined]
                 self.addon._dials.clear()
             self.address = None

@@ -40,6 +40,14 @@ MAX_LABEL_VALUES = 128
 PLANES = frozenset({"l4", "l7"})
 DECISIONS = frozenset({"allow", "deny"})
 DIRECTIONS = ("up", "down")
+# The DNS responder's query types and answer codes worth a series of their own; any other type
+# is `other` (the type is the client's choice: 65536 values).
+DNS_QTYPES = frozenset(
+    {"A", "AAAA", "HTTPS", "SVCB", "TXT", "MX", "CNAME", "NS", "PTR", "SRV", "SOA", "ANY", "none"}
+)
+DNS_RCODES = frozenset(
+    {"NOERROR", "FORMERR", "SERVFAIL", "NXDOMAIN", "NOTIMP", "REFUSED", "dropped"}
+)
 RELOAD_RESULTS = ("success", "failure")
 
 # Latency of one DNS lookup or one upstream TCP connect. A cache hit answers in microseconds, a
@@ -112,6 +120,10 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self._children: dict[tuple[Any, ...], Any] = {}
+        # The same children by the label values as callers pass them (before the guards), for
+        # the calls every connection makes; only values the guards keep as they are land here,
+        # so this stays as bounded as the guards.
+        self._decisions: dict[tuple[Any, ...], Any] = {}
         r = self.registry
         self._decision = _LabelGuard(DECISIONS)
         self._plane = _LabelGuard(PLANES)
@@ -119,6 +131,8 @@ class Metrics:
         self._stage = _LabelGuard()
         self._outcome = _LabelGuard()
         self._protocol = _LabelGuard()
+        self._qtype = _LabelGuard(DNS_QTYPES)
+        self._rcode = _LabelGuard(DNS_RCODES)
 
         self.decisions = Counter(
             f"{PREFIX}decisions",
@@ -182,6 +196,13 @@ class Metrics:
             "Unix time of the last successful policy load or reload.",
             registry=r,
         )
+        self.dns_queries = Counter(
+            f"{PREFIX}dns_queries",
+            "Messages to the DNS responder, by query type and answer code (`dropped`: not "
+            "answered). None is ever forwarded.",
+            ["qtype", "rcode"],
+            registry=r,
+        )
         self.audit_write_errors = Counter(
             f"{PREFIX}audit_write_errors",
             "Audit log lines that could not be written.",
@@ -218,15 +239,22 @@ class Metrics:
 
     def decision(self, decision: str | bool, reason: str, stage: str, plane: str = "l7") -> None:
         """One policy decision. `decision` is "allow"/"deny" (or a bool: True is allow)."""
-        if isinstance(decision, bool):
-            decision = "allow" if decision else "deny"
-        self._child(
-            self.decisions,
-            self._decision(decision),
-            self._reason(reason),
-            self._stage(stage),
-            self._plane(plane),
-        ).inc()
+        # type(decision) in the key: True == 1, but only True means allow.
+        key = (type(decision), decision, reason, stage, plane)
+        child = self._decisions.get(key)
+        if child is None:
+            if isinstance(decision, bool):
+                decision = "allow" if decision else "deny"
+            labels = (
+                self._decision(decision),
+                self._reason(reason),
+                self._stage(stage),
+                self._plane(plane),
+            )
+            child = self._child(self.decisions, *labels)
+            if labels == (decision, reason, stage, plane) and type(reason) is str:
+                self._decisions[key] = child
+        child.inc()
 
     def record(self, decision: Decision | AddressDecision, plane: str = "l7") -> None:
         """A policy `Decision` or `AddressDecision` as it came out of the policy core."""
@@ -260,6 +288,11 @@ class Metrics:
         self.reloads.labels("success" if ok else "failure").inc()
         if ok:
             self.reload_success_time.set(time.time())
+
+    def dns_query(self, qtype: str, rcode: str) -> None:
+        """One message to the DNS responder: its type (`A`, ..., `none` when it had no single
+        question) and the answer's code (`NOERROR`, `REFUSED`, ..., `dropped`)."""
+        self._child(self.dns_queries, self._qtype(qtype), self._rcode(rcode)).inc()
 
     def audit_write_error(self) -> None:
         self.audit_write_errors.inc()

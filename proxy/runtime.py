@@ -5,10 +5,12 @@
                admin=("127.0.0.1", 9901))
 
 Start-up order: read and compile everything (a PolicyError here is reported by the CLI with the
-same exit codes as `check`), open the audit log; when the policy has URL-prefix rules, load the
-L7 engine and its inspection CA (created on first start); bind the admin listener, bind the
-front door's listeners (proxy/frontdoor.py: the fast path, which hands everything else to the
-engine, loaded then if not yet), then mark the proxy ready. A CA problem exits before anything
+same exit codes as `check`), open the audit log; when the policy has URL-prefix rules or there
+are DNS listeners (`dns_listen`), load the L7 engine and its inspection CA (created on first
+start); bind the admin listener, start the engine's DNS listeners (mitmproxy's DNS mode, UDP and
+TCP: proxy/dns_mode.py), bind the front door's listeners (proxy/frontdoor.py: the fast path,
+which hands everything else to the engine, loaded then if not yet; explicit and transparent
+listeners side by side), then mark the proxy ready. A CA problem exits before anything
 listens; a bind failure stops whatever was already started and exits 2. With `--engine-only`
 the engine is loaded at start and listens itself (no fast path).
 
@@ -127,11 +129,13 @@ class Runtime:
         audit_log: str | None = None,
         err: TextIO | None = None,
         engine_only: bool = False,
+        dns_listen: Sequence[Listener] = (),
     ) -> None:
         self.inputs = inputs
         self.engine_only = engine_only
         self.compiled = compiled
         self.listen = listen
+        self.dns_listen = dns_listen
         self.admin_address = admin
         self.session_id = session_id
         self.audit_path = audit_log
@@ -196,17 +200,21 @@ class Runtime:
         self.resolver = resolver
         try:
             ca = None
-            if self.engine_only or self.compiled.policy.has_url_rules:
-                # The policy can need the engine (per-request paths, inspection): load it now,
-                # with its CA, so any problem stops start-up before anything listens.
+            if self.engine_only or self.compiled.policy.has_url_rules or self.dns_listen:
+                # The policy can need the engine (per-request paths, inspection), or the engine
+                # serves the DNS listeners: load it now, with its CA, so any problem stops
+                # start-up before anything listens.
                 ca = self._new_engine().prepare()
             self.admin = AdminServer(self.readiness, self.metrics.render)
             admin_host, admin_port = await self.admin.start(*self.admin_address)
             if self.engine_only:
-                listeners = await self._start_engine(listeners=self.listen)
+                listeners = await self._start_engine(listeners=[*self.listen, *self.dns_listen])
             else:
+                dns_bound: tuple[Listener, ...] = ()
                 if self.engine is not None:
-                    await self._start_engine(listeners=[])
+                    # Bound before the front door: the engine's DNS listeners (UDP and TCP),
+                    # or none.
+                    dns_bound = await self._start_engine(listeners=self.dns_listen)
                 self.front = FrontDoor(
                     Vetter(self.compiled.policy, resolver, self.metrics, self.audit, plane="l4"),
                     config,
@@ -214,7 +222,8 @@ class Runtime:
                     self.audit,
                     engine=self.engine_for_handoff,
                 )
-                listeners = await self.front.start(self.listen)
+                listeners = (*await self.front.start(self.listen), *dns_bound)
+            # Every listener, the DNS ones included, is bound from here.
             self.readiness.set("listeners_bound", True)
             # Set here because nothing in this process can verify the sandbox boundary (that the
             # agent cannot bypass this proxy); the sandbox shapes (issue 5) verify it and will
@@ -402,7 +411,8 @@ class _PrintableFormatter(logging.Formatter):
 
 def _listening(listeners: Sequence[Listener]) -> str:
     """`127.0.0.1:3128` for the usual single HTTP proxy; every other listener with its
-    scheme (`127.0.0.1:3128 and socks5://127.0.0.1:1080`)."""
+    scheme (`127.0.0.1:3128 and socks5://127.0.0.1:1080 and dns://127.0.0.1:5353`; a DNS
+    listener serves UDP and TCP on its port)."""
     first, *rest = listeners
     shown = [format_listen(first.host, first.port) if first.scheme == "http" else str(first)]
     return " and ".join(shown + [str(x) for x in rest])
@@ -440,8 +450,11 @@ def run(
     audit_log: str | None = None,
     err: TextIO | None = None,
     engine_only: bool = False,
+    dns_listen: Sequence[Listener] = (),
 ) -> int:
-    """Serve until SIGTERM/SIGINT; 0 after a clean drain. Raises ProxyError on bind failures."""
+    """Serve until SIGTERM/SIGINT; 0 after a clean drain. Raises ProxyError on bind failures.
+    `dns_listen`: the DNS responder's listeners (Listener("dns", host, port)), served by the
+    engine, which is then loaded at start."""
 
     async def main() -> int:
         runtime = Runtime(
@@ -453,6 +466,7 @@ def run(
             audit_log=audit_log,
             err=err,
             engine_only=engine_only,
+            dns_listen=dns_listen,
         )
         return await runtime.run()
 

@@ -188,3 +188,19 @@ def test_instances_do_not_collide() -> None:
     assert a.registry is not b.registry
     # Nothing leaks into the process-wide default registry.
     assert REGISTRY.get_sample_value("egress_decisions_total", key) is None
+
+
+def test_repeated_decisions_count_under_the_labels_of_the_first() -> None:
+    """The per-call label cache: repeated calls count on the same series, True (not 1) is an
+    allow, and values the guards map to `other` keep being mapped so."""
+    m = Metrics()
+    for _ in range(3):
+        m.decision(True, "allowed", "sni", plane="l4")
+        m.decision(1, "allowed", "sni", plane="l4")  # type: ignore[arg-type]
+        m.decision("deny", "Not A Code", "name", plane="l4")
+    key = {"decision": "allow", "reason": "allowed", "stage": "sni", "plane": "l4"}
+    assert value(m, "egress_decisions_total", **key) == 3
+    key = {"decision": OTHER, "reason": "allowed", "stage": "sni", "plane": "l4"}
+    assert value(m, "egress_decisions_total", **key) == 3
+    key = {"decision": "deny", "reason": OTHER, "stage": "name", "plane": "l4"}
+    assert value(m, "egress_decisions_total", **key) == 3

@@ -2,7 +2,10 @@
 nftables redirects the namespace's TCP to 127.0.0.5 and fd00:5::5 (addresses of that namespace)
 to the proxy, which decides TLS on the SNI and plain HTTP on the Host header, reads the original
 destination (SO_ORIGINAL_DST, v4 and v6) only for its port, and connects to the addresses it
-checked for the name. Skips with the reason when not root or without `ip` / `nft`."""
+checked for the name. Spelled twice: `--mode transparent` with bare listeners, and
+`--listen transparent://...` beside an explicit `http://` listener and a `--dns-listen` in the
+same process, each of which is used too. Skips with the reason when not root or without `ip` /
+`nft`."""
 
 from __future__ import annotations
 
@@ -41,7 +44,8 @@ def run(*args: str, namespace: str | None = None, input: str | None = None) -> s
     return done.stdout
 
 
-def test_transparent_mode_decides_on_sni_and_host(tmp_path: Path) -> None:
+@pytest.mark.parametrize("spelling", ["mode", "mixed"])
+def test_transparent_mode_decides_on_sni_and_host(tmp_path: Path, spelling: str) -> None:
     namespace = f"egress-t-{uuid.uuid4().hex[:8]}"
     proxy_port, tls_port, http_port = 15001, free_port(), free_port()
     run(str(IP), "netns", "add", namespace)
@@ -65,6 +69,7 @@ table inet egress_test {{
             str(tls_port),
             str(http_port),
             str(tmp_path),
+            *(["mixed"] if spelling == "mixed" else []),
             namespace=namespace,
         )
     finally:
@@ -77,14 +82,18 @@ table inet egress_test {{
     # over IPv4 and IPv6 originals alike; the client verified the real certificate.
     assert results["tls_v4"] == {"ok": True, "status": "200"}, diagnostics
     assert results["tls_v6"] == {"ok": True, "status": "200"}, diagnostics
-    assert results["upstream_connections"]["tls"] + results["upstream_connections"]["tls6"] == 2
+    explicit = 1 if spelling == "mixed" else 0  # the explicit CONNECT goes to tls.test too
+    tls_connections = (
+        results["upstream_connections"]["tls"] + results["upstream_connections"]["tls6"]
+    )
+    assert tls_connections == 2 + explicit
     # A name outside the policy, and a ClientHello without SNI: closed, never resolved.
     assert results["tls_denied"]["ok"] is False
     assert results["tls_no_sni"]["ok"] is False
     assert results["dns_denied_queries"] == 0
     # Plain HTTP: decided on the Host header by the engine, connected to the name's address.
     assert results["http_allowed"]["status"] == "200", diagnostics
-    assert results["upstream_hosts"]["http"] == [f"web.test:{http_port}"]
+    assert results["upstream_hosts"]["http"] == [f"web.test:{http_port}"] * (1 + explicit)
     assert results["http_denied"]["status"] == "403"
     assert results["http_denied"]["denied"] == ["not_allowed"]
     assert results["http_no_host"]["status"] == "403"
@@ -101,3 +110,13 @@ table inet egress_test {{
     assert ("l7", "http", "deny", "not_allowed") in reasons
     allowed = [x for x in decisions if x["protocol"] == "tls" and x["stage"] == "address"]
     assert all(x["host"] == "tls.test" for x in allowed)
+    if spelling == "mixed":
+        # One process: the explicit listener (fast path and engine) and the DNS listener.
+        assert results["explicit_tls"] == {"ok": True, "status": "200"}, diagnostics
+        assert results["explicit_denied"] == {"ok": False, "connect": "403"}
+        assert results["explicit_http"]["status"] == "200", diagnostics
+        assert results["dns_allowed"] == {"rcode": "NOERROR", "addresses": ["127.0.0.1"]}
+        assert results["dns_denied"] == {"rcode": "REFUSED", "addresses": []}
+        assert results["dns_denied_queries"] == 0
+        assert ("l4", "connect", "allow", "allowed") in reasons
+        assert ("l7", "dns", "deny", "not_allowed") in reasons

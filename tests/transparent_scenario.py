@@ -1,9 +1,14 @@
 """Transparent mode, end to end, run *inside* a network namespace that tests/test_transparent.py
 created (with nftables rules redirecting 127.0.0.5 and fd00:5::5 to the proxy). Everything here
-lives in that namespace: the DNS server, the upstreams, `egress-proxy run --mode transparent`
-and the clients. Prints one JSON object with what each client saw, for the test to assert on.
+lives in that namespace: the DNS server, the upstreams, `egress-proxy run` and the clients.
+Prints one JSON object with what each client saw, for the test to assert on.
 
-    ip netns exec NS python tests/transparent_scenario.py PROXY_PORT TLS_PORT HTTP_PORT DIR
+    ip netns exec NS python tests/transparent_scenario.py PROXY_PORT TLS_PORT HTTP_PORT DIR [mixed]
+
+The proxy is `run --mode transparent --listen 127.0.0.1:PORT --listen [::1]:PORT`; with `mixed`
+the same process is `run --listen transparent://127.0.0.1:PORT --listen transparent://[::1]:PORT
+--listen http://127.0.0.1:EXPLICIT --dns-listen 127.0.0.1:DNS`, and the clients also use the
+explicit listener (a CONNECT through the fast path, a plain HTTP request) and the DNS listener.
 """
 
 from __future__ import annotations
@@ -116,9 +121,56 @@ def http_get(address: str, port: int, head: str) -> dict[str, Any]:
         return {"ok": False, "error": type(exc).__name__}
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def connect_get(proxy_port: int, host: str, port: int, ca: str) -> dict[str, Any]:
+    """CONNECT host:port through the explicit listener, then a verified TLS GET inside."""
+    try:
+        with socket.create_connection(("127.0.0.1", proxy_port), timeout=5) as raw:
+            raw.sendall(f"CONNECT {host}:{port} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode())
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = raw.recv(4096)
+                if not chunk:
+                    break
+                head += chunk
+            status = head.split(b" ", 2)[1].decode() if head else None
+            if status != "200":
+                return {"ok": False, "connect": status}
+            context = ssl.create_default_context(cafile=ca)
+            with context.wrap_socket(raw, server_hostname=host) as conn:
+                conn.sendall(f"GET / HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+                data = b""
+                while chunk := conn.recv(4096):
+                    data += chunk
+        return {"ok": True, "status": data.split(b" ", 2)[1].decode() if data else None}
+    except (OSError, ssl.SSLError) as exc:
+        return {"ok": False, "error": type(exc).__name__}
+
+
+def dns_answer(port: int, name: str) -> dict[str, Any]:
+    import dns.message
+    import dns.query
+    import dns.rcode
+
+    try:
+        query = dns.message.make_query(name, "A")
+        response = dns.query.udp(query, "127.0.0.1", port=port, timeout=5)
+    except Exception as exc:
+        return {"rcode": None, "error": type(exc).__name__}
+    found = sorted(r.address for rrset in response.answer for r in rrset)
+    return {"rcode": dns.rcode.to_text(response.rcode()), "addresses": found}
+
+
 def main() -> int:
     proxy_port, tls_port, http_port = (int(x) for x in sys.argv[1:4])
     work = Path(sys.argv[4])
+    mixed = sys.argv[5:] == ["mixed"]
+    explicit_port, dns_port = free_port(), free_port()
     ca = trustme.CA()
     ca_file = work / "ca.pem"
     ca.cert_pem.write_to_path(str(ca_file))
@@ -142,10 +194,19 @@ def main() -> int:
         )
         audit = work / "audit.jsonl"
         stderr = open(work / "stderr.txt", "wb")  # noqa: SIM115 - closed below
+        if mixed:
+            listeners = [
+                "--listen", f"transparent://127.0.0.1:{proxy_port}",
+                "--listen", f"transparent://[::1]:{proxy_port}",
+                "--listen", f"http://127.0.0.1:{explicit_port}",
+                "--dns-listen", f"127.0.0.1:{dns_port}",
+            ]  # fmt: skip
+        else:
+            listeners = ["--mode", "transparent", "--listen", f"127.0.0.1:{proxy_port}",
+                         "--listen", f"[::1]:{proxy_port}"]  # fmt: skip
         proxy = subprocess.Popen(
             [sys.executable, "-m", "proxy", "run", str(work / "agent.yaml"),
-             "--config", str(work / "config.yaml"), "--mode", "transparent",
-             "--listen", f"127.0.0.1:{proxy_port}", "--listen", f"[::1]:{proxy_port}",
+             "--config", str(work / "config.yaml"), *listeners,
              "--admin", "127.0.0.1:0", "--audit-log", str(audit)],
             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr,
         )  # fmt: skip
@@ -173,6 +234,19 @@ def main() -> int:
             results["http_no_host"] = http_get(ORIGINAL_V4, http_port, "GET / HTTP/1.0\r\n\r\n")
             # Straight to the proxy's port, not redirected: no original destination.
             results["not_redirected"] = tls_get("127.0.0.1", proxy_port, "tls.test", ca_path)
+            if mixed:
+                # The same process, as an explicit proxy and as the namespace's DNS.
+                results["explicit_tls"] = connect_get(explicit_port, "tls.test", tls_port, ca_path)
+                results["explicit_denied"] = connect_get(
+                    explicit_port, "denied.test", tls_port, ca_path
+                )
+                results["explicit_http"] = http_get(
+                    "127.0.0.1", explicit_port,
+                    f"GET http://web.test:{http_port}/x HTTP/1.1\r\nHost: web.test:{http_port}\r\n"
+                    "Connection: close\r\n\r\n",
+                )  # fmt: skip
+                results["dns_allowed"] = dns_answer(dns_port, "tls.test")
+                results["dns_denied"] = dns_answer(dns_port, "denied.test")
             time.sleep(0.3)
             results["upstream_connections"] = {k: u.connections for k, u in upstreams.items()}
             results["upstream_hosts"] = {k: u.hosts for k, u in upstreams.items()}
