@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench-policy clean
+.PHONY: run test lint bench-policy bench bench-quick bench-deps clean
 
 CREATED := $(VENV)/.created
 
@@ -37,6 +37,23 @@ lint: $(STAMP)
 
 bench-policy: $(STAMP)
 	$(PY) benchmarks/policy_decide.py
+
+# The benchmark harness against peers (benchmarks/README.md): `make bench-deps` once, then
+# `make bench` (full) or `make bench-quick` (under 2 minutes). ARGS passes options on, e.g.
+# `make bench-quick ARGS='--configs direct,fast,squid'`. A peer that is not installed is
+# skipped with a note. The packages' own services are not used (nor needed).
+BENCH_PACKAGES := squid tinyproxy privoxy wrk nginx-light
+
+bench-deps: $(STAMP)
+	@if [ "$$(id -u)" = 0 ]; then apt-get install -y $(BENCH_PACKAGES); \
+	  else sudo apt-get install -y $(BENCH_PACKAGES); fi
+	$(PY) -m pip install --quiet -e '.[test,bench]'
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench.py $(ARGS)
+
+bench-quick: $(STAMP)
+	$(PY) benchmarks/bench.py --quick $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .ruff_cache

@@ -7,7 +7,9 @@ through one tunnel, memory and start-up, side by side on loopback against no pro
     .venv/bin/python benchmarks/tunnels.py --configs direct,fast --rounds 5 --bulk-mib 256
 
 Other options: `--bulk up|down|none` (default both), `--client-procs N` (client processes of the
-rate phase, default 2), `--loop auto|uvloop|asyncio` (the load generator's own event loop).
+rate phase, default 2), `--loop auto|uvloop|asyncio` (the load generator's own event loop),
+`--baseline-tree PATH` (adds `fast-baseline`: the fast path run from another checkout, such as
+`git worktree add /tmp/ep-baseline HEAD`, for an A/B of a change within the same rounds).
 
 Configurations, interleaved round by round (A B C A B C ...), so a noisy moment of a shared
 machine hits every one alike:
@@ -26,6 +28,9 @@ machine hits every one alike:
   then `proxy.relay.relay(..., initial_up=hello)`. No DNS, policy, audit, metrics or timeouts:
   the floor of Python asyncio for that work on this machine. `bare-uvloop` (only when uvloop is
   importable): the same on uvloop's loop.
+- `fast-baseline` (only with `--baseline-tree PATH`): `fast`, but the `proxy` and `policy`
+  packages imported from PATH (its working directory and PYTHONPATH), the same Python and
+  dependencies.
 
 Each proxy is a fresh process per round, with a manifest `network: egress: [bench.test]`, a DNS
 server of this script's own on 127.0.0.1 (tests/dns_server.py) answering bench.test with
@@ -56,7 +61,6 @@ import shlex
 import signal
 import socket
 import ssl
-import statistics
 import struct
 import subprocess
 import sys
@@ -66,7 +70,9 @@ import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+from bench_stats import dig, latency_summary, median
 
 ROOT = Path(__file__).resolve().parent.parent
 LOOPBACK = "127.0.0.1"
@@ -78,7 +84,7 @@ LISTENING = re.compile(
 )
 # The bare relay's line on stderr once it listens.
 BARE_LISTENING = re.compile(r"bare relay listening on 127\.0\.0\.1:(\d+)")
-CONFIGS = ("direct", "fast", "engine", "fast-uvloop", "bare", "bare-uvloop")
+CONFIGS = ("direct", "fast", "engine", "fast-uvloop", "bare", "bare-uvloop", "fast-baseline")
 UVLOOP_CONFIGS = ("fast-uvloop", "bare-uvloop")
 # Runs the CLI with uvloop's loop: asyncio.run() in proxy/runtime.py asks the policy for its loop.
 UVLOOP_LAUNCHER = (
@@ -175,9 +181,10 @@ def proc_memory(pid: int) -> dict[str, float]:
     return out
 
 
-def client_hello(sni: str) -> bytes:
-    """The first flight of a real TLS client (Python's ssl) for `sni`."""
-    context = ssl.create_default_context()
+def client_hello(sni: str, context: ssl.SSLContext | None = None) -> bytes:
+    """The first flight of a real TLS client (Python's ssl) for `sni`. Pass one `context` for
+    many names: a new default context loads the system's CA store (about 30 ms here)."""
+    context = context or ssl.create_default_context()
     incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
     tls = context.wrap_bio(incoming, outgoing, server_hostname=sni)
     with contextlib.suppress(ssl.SSLWantReadError):
@@ -500,17 +507,22 @@ def _wait_go() -> bool:
     return sys.stdin.readline().strip() == "go"
 
 
-def client_main(loop_name: str) -> int:
-    job = json.loads(sys.stdin.readline())
-    hello = client_hello(HOST)
+def tunnel_target(job: dict[str, Any], host: str, hello: bytes) -> _Target:
+    """Where a client job's tunnels go: through the proxy (a CONNECT to `host` at the job's
+    upstream port) or, without a proxy port, straight to the upstream."""
     port = job["port"]
-    target = _Target(
+    return _Target(
         address=(LOOPBACK, job["proxy_port"] or port),
-        head=f"CONNECT {HOST}:{port} HTTP/1.1\r\nHost: {HOST}:{port}\r\n\r\n".encode()
+        head=f"CONNECT {host}:{port} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
         if job["proxy_port"]
         else None,
         hello=hello,
     )
+
+
+def client_main(loop_name: str) -> int:
+    job = json.loads(sys.stdin.readline())
+    target = tunnel_target(job, HOST, client_hello(HOST))
     if job["phase"] == "bulk":
         try:
             # A first transfer in a fresh process runs at half speed (down: the client's CPU per
@@ -637,19 +649,6 @@ def bare_main(loop_name: str, upstream_host: str) -> int:
 # The orchestrator: DNS server, upstream, proxies, client jobs, the report.
 
 
-def percentile(sorted_values: Sequence[float], p: float) -> float:
-    """Nearest-rank percentile of already sorted values."""
-    if not sorted_values:
-        return float("nan")
-    rank = max(1, -(-len(sorted_values) * p // 100))
-    return sorted_values[int(rank) - 1]
-
-
-def median(values: Sequence[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
-
-
 def _role_command(role: str, loop_name: str) -> list[str]:
     return [sys.executable, str(Path(__file__).resolve()), "--role", role, "--loop", loop_name]
 
@@ -682,7 +681,9 @@ class Proxy:
         return self.config.startswith("bare")
 
     @classmethod
-    def start(cls, config: str, directory: Path, env: dict[str, str]) -> Proxy:
+    def start(
+        cls, config: str, directory: Path, env: dict[str, str], baseline: Path | None = None
+    ) -> Proxy:
         audit = directory / "audit.jsonl"
         audit.unlink(missing_ok=True)
         stderr = directory / "stderr.txt"
@@ -698,11 +699,17 @@ class Proxy:
             command = [sys.executable, "-c", UVLOOP_LAUNCHER, *args]
         else:
             command = [sys.executable, "-m", "proxy", *args]
+        tree = ROOT
+        if config == "fast-baseline":
+            assert baseline is not None
+            # Ahead of the editable install's path entry: that tree's proxy/ and policy/.
+            tree = baseline
+            env = {**env, "PYTHONPATH": str(baseline)}
         with open(stderr, "wb") as err:
             started = time.perf_counter()
             process = subprocess.Popen(
                 command,
-                cwd=ROOT,
+                cwd=tree,
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -803,6 +810,7 @@ class Bench:
     procs: int  # client processes in the rate phase
     directions: Sequence[str]
     proxy_env: dict[str, str]
+    baseline: Path | None = None  # the tree `fast-baseline` runs
 
 
 def _read_message(process: subprocess.Popen[bytes], timeout: float, log: Path) -> dict[str, Any]:
@@ -822,18 +830,35 @@ def _read_message(process: subprocess.Popen[bytes], timeout: float, log: Path) -
     return message
 
 
+class Listening(Protocol):
+    """What the client phases need of a proxy (egress-proxy's Proxy, or a peer of bench.py):
+    its port, and its pid for its CPU time."""
+
+    port: int
+
+    @property
+    def pid(self) -> int: ...
+
+
 def client_phase(
-    bench: Bench, proxy: Proxy | None, jobs: Sequence[dict[str, Any]], limit: float, tmp: Path
+    bench: Bench,
+    proxy: Listening | None,
+    jobs: Sequence[dict[str, Any]],
+    limit: float,
+    tmp: Path,
+    command: Sequence[str] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, float | None]]:
     """Runs one phase in len(jobs) client processes released together; their results and the
-    CPU seconds the proxy, the upstream (and the clients, as they report) spent on it."""
+    CPU seconds the proxy, the upstream (and the clients, as they report) spent on it. The
+    client is this script's (`--role client`) unless `command` names another that speaks the
+    same lines."""
     processes: list[subprocess.Popen[bytes]] = []
     logs = [tmp / f"client-{i}.stderr" for i in range(len(jobs))]
     try:
         for job, log in zip(jobs, logs, strict=True):
             with open(log, "wb") as err:
                 process = subprocess.Popen(
-                    _role_command("client", bench.loop),
+                    command or _role_command("client", bench.loop),
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=err,
@@ -874,7 +899,7 @@ def client_phase(
 
 
 def tunnel_phase(
-    bench: Bench, proxy: Proxy | None, tmp: Path, *, warmup: int, procs: int, clients: int,
+    bench: Bench, proxy: Listening | None, tmp: Path, *, warmup: int, procs: int, clients: int,
     count: int, seconds: float,
 ) -> dict[str, Any]:  # fmt: skip
     base = {
@@ -908,20 +933,14 @@ def tunnel_phase(
         **cpu,
     }
     if latencies:
-        out["latency_ms"] = {
-            "p50": percentile(latencies, 50),
-            "p90": percentile(latencies, 90),
-            "p99": percentile(latencies, 99),
-            "max": latencies[-1],
-            "mean": statistics.fmean(latencies),
-        }
+        out["latency_ms"] = latency_summary(latencies)
     for who in ("proxy", "upstream", "client"):
         value = cpu[f"{who}_cpu_s"]
         out[f"{who}_cpu_us_per_tunnel"] = None if value is None or not done else value / done * 1e6
     return out
 
 
-def bulk_phase(bench: Bench, proxy: Proxy | None, tmp: Path, direction: str) -> dict[str, Any]:
+def bulk_phase(bench: Bench, proxy: Listening | None, tmp: Path, direction: str) -> dict[str, Any]:
     s = bench.settings
     job = {
         "phase": "bulk",
@@ -963,7 +982,11 @@ def write_inputs(directory: Path, dns_address: tuple[str, int], ca_dir: Path) ->
 def one_round(config: str, directory: Path, bench: Bench) -> dict[str, Any]:
     """One configuration once: (start the proxy,) latency, rate, bulk, (stop it)."""
     s = bench.settings
-    proxy = None if config == "direct" else Proxy.start(config, directory, bench.proxy_env)
+    proxy = (
+        None
+        if config == "direct"
+        else Proxy.start(config, directory, bench.proxy_env, bench.baseline)
+    )
     out: dict[str, Any] = {}
     try:
         if proxy is not None:
@@ -992,15 +1015,6 @@ def one_round(config: str, directory: Path, bench: Bench) -> dict[str, Any]:
 
 
 # -- summary -----------------------------------------------------------------------------------
-
-
-def _get(run: dict[str, Any], *path: str) -> Any:
-    value: Any = run
-    for key in path:
-        if not isinstance(value, dict) or key not in value:
-            return None
-        value = value[key]
-    return value
 
 
 FIGURES: dict[str, tuple[str, ...]] = {
@@ -1033,29 +1047,41 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
     for config, rounds in runs.items():
         row: dict[str, Any] = {}
         for figure, path in FIGURES.items():
-            row[figure] = median([_get(r, *path) for r in rounds])
+            row[figure] = median([dig(r, path) for r in rounds])
         for figure in RATIOS:
             ratios = []
             for mine, theirs in zip(rounds, direct, strict=False):
-                a, b = _get(mine, *FIGURES[figure]), _get(theirs, *FIGURES[figure])
+                a, b = dig(mine, FIGURES[figure]), dig(theirs, FIGURES[figure])
                 if a is not None and b:
                     ratios.append(a / b)
             row[f"{figure}_vs_direct"] = median(ratios)
         row["errors"] = sum(
-            (_get(r, "latency", "errors") or 0) + (_get(r, "rate", "errors") or 0) for r in rounds
+            (dig(r, ("latency", "errors")) or 0) + (dig(r, ("rate", "errors")) or 0) for r in rounds
         )
         row["bulk_errors"] = [
-            b["error"] for r in rounds for b in (_get(r, "bulk") or {}).values() if b["error"]
+            b["error"] for r in rounds for b in (dig(r, ("bulk",)) or {}).values() if b["error"]
         ]
         out[config] = row
     return out
+
+
+def plane_problem(config: str, metrics: dict[str, float]) -> str | None:
+    """What is wrong when egress-proxy served tunnels on the other plane than `config` means
+    (from its /metrics counters), or None."""
+    l4 = metrics.get('egress_connections_total{plane="l4",protocol="connect"}', 0)
+    loaded = metrics.get("egress_engine_loaded")
+    if config.startswith("fast") and (loaded or not l4):
+        return f"the engine served (engine_loaded={loaded}, l4={l4})"
+    if config == "engine" and l4:
+        return f"the fast path served {l4:.0f} connections"
+    return None
 
 
 def _ratio(runs: dict[str, list[dict[str, Any]]], a: str, b: str, figure: str) -> float | None:
     """Median over rounds of figure(a) / figure(b) within each round."""
     ratios = []
     for x, y in zip(runs.get(a, []), runs.get(b, []), strict=False):
-        u, v = _get(x, *FIGURES[figure]), _get(y, *FIGURES[figure])
+        u, v = dig(x, FIGURES[figure]), dig(y, FIGURES[figure])
         if u is not None and v:
             ratios.append(u / v)
     return median(ratios)
@@ -1282,6 +1308,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=2,
         help=f"client processes sharing the {CLIENTS} clients of the rate phase (default 2)",
     )
+    parser.add_argument(
+        "--baseline-tree",
+        metavar="PATH",
+        type=Path,
+        help="another checkout (e.g. a git worktree of HEAD) run as the extra config "
+        "fast-baseline, interleaved with the others for an A/B of a change",
+    )
     parser.add_argument("--role", choices=("upstream", "client", "bare"), help=argparse.SUPPRESS)
     parser.add_argument("--upstream", default=LOOPBACK, help=argparse.SUPPRESS)  # bare only
     args = parser.parse_args(argv)
@@ -1312,6 +1345,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 parser.error(f"{config} needs uvloop importable")
     else:
         configs = [c for c in CONFIGS if c not in UVLOOP_CONFIGS or have_uvloop]
+        configs = [c for c in configs if c != "fast-baseline" or args.baseline_tree]
+    baseline: Path | None = None
+    if args.baseline_tree is not None:
+        baseline = args.baseline_tree.resolve()
+        if not (baseline / "proxy" / "__main__.py").is_file():
+            parser.error(f"--baseline-tree {args.baseline_tree}: no proxy/__main__.py there")
+        if "fast-baseline" not in configs:
+            configs.append("fast-baseline")
+    elif "fast-baseline" in configs:
+        parser.error("fast-baseline needs --baseline-tree PATH")
 
     sys.path.insert(0, str(ROOT / "tests"))
     from dns_server import running_dns_server
@@ -1336,10 +1379,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         env = proxy_env(Path(tmp) / "pycache")
         for config in configs:
             one_round(
-                config, Path(tmp) / config, Bench(upstream, loop_name, warm, 1, directions, env)
+                config,
+                Path(tmp) / config,
+                Bench(upstream, loop_name, warm, 1, directions, env, baseline),
             )
         log(f"warm-up pass done in {time.perf_counter() - began:.1f} s")
-        bench = Bench(upstream, loop_name, settings, args.client_procs, directions, env)
+        bench = Bench(upstream, loop_name, settings, args.client_procs, directions, env, baseline)
         for n in range(settings.rounds):
             for config in configs:
                 t0 = time.perf_counter()
@@ -1348,7 +1393,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 log(
                     f"round {n + 1}/{settings.rounds} {config:<11} "
                     f"{result['rate']['tunnels_per_s']:8,.0f} tunnels/s, "
-                    f"p50 {result['latency']['latency_ms']['p50']:.3f} ms, "
+                    + (
+                        f"proxy {cpu:,.0f} µs/tunnel, "
+                        if (cpu := result["rate"].get("proxy_cpu_us_per_tunnel")) is not None
+                        else ""
+                    )
+                    + f"p50 {result['latency']['latency_ms']['p50']:.3f} ms, "
                     + ", ".join(
                         f"bulk {d} {b['mb_per_s']:,.0f} MB/s" for d, b in result["bulk"].items()
                     )
@@ -1379,13 +1429,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     for c, rounds in runs.items():
         for r in rounds:
-            m = r.get("metrics") or {}
-            l4 = m.get('egress_connections_total{plane="l4",protocol="connect"}', 0)
-            loaded = m.get("egress_engine_loaded")
-            if c.startswith("fast") and (loaded or not l4):
-                problems.append(f"{c}: the engine served (engine_loaded={loaded}, l4={l4})")
-            if c == "engine" and l4:
-                problems.append(f"{c}: the fast path served {l4:.0f} connections")
+            if wrong := plane_problem(c, r.get("metrics") or {}):
+                problems.append(f"{c}: {wrong}")
     if problems:
         out += ["", "Problems:", *(f"- {p}" for p in problems)]
     out += ["", notes(settings, loop_name, upstream["loop"], args.client_procs)]
