@@ -519,6 +519,28 @@ def test_rendered_rule_sets_pass_nft_check(variant: dict[str, Any]) -> None:
     assert any(r.redirect_port == variant["dns_port"] and r.dports == {53} for r in nat)
 
 
+@pytest.mark.parametrize(
+    ("host4", "host6"), [("169.254.240.1", "fd12:3456:789a:1::1"), ("198.51.100.1", "fd00::1")]
+)
+def test_sandbox_rule_sets_pass_nft_check(host4: str, host6: str) -> None:
+    # The one-machine shape's host-side rules: checked by nft itself, like the pod's.
+    text = nftrules.sandbox_ruleset(
+        "egress_sb_0123abcd",
+        "egsb0123abcdh",
+        host4,
+        host6,
+        explicit_port=3128,
+        transparent_port=15001,
+        dns_port=15053,
+    )
+    nft_check(text)
+    chains = nftrules.expected_chains(text, "egress_sb_0123abcd")
+    assert set(chains) == {"prerouting", "input", "forward"}
+    # Everything that came in over the veth and was not accepted is dropped, never forwarded.
+    assert chains["input"].rules[-1].verdict == "drop"
+    assert [r.verdict for r in chains["forward"].rules] == ["drop", "drop"]
+
+
 def test_nft_check_refuses_a_broken_rule_set() -> None:
     # The check above can fail: a redirect in a filter chain is refused by nft.
     text = nftrules.pod_ruleset(10000, 15001, 15053).replace(
