@@ -58,27 +58,36 @@ def ip(*args: str, namespace: str | None = None) -> str:
 
 
 def reachable_interpreter() -> str:
-    """Shell lines that make this interpreter usable by any UID, in the private mount namespace
-    of the command they precede: a directory on its path that others cannot enter (a Python
-    under /root, mode 0700) is covered by a tmpfs holding only the one entry needed, bound back
-    from a descriptor opened before. Nothing changes outside that namespace, nothing is left on
-    disk. Empty when nothing is in the way."""
-    for executable in (os.path.realpath(sys.executable), os.path.realpath(sys.base_prefix)):
-        path = Path(executable)
+    """Shell lines that make this interpreter, its venv and this checkout usable by any UID, in
+    the private mount namespace of the command they precede: a directory on their paths that
+    others cannot enter (a Python under /root, a fresh clone in `mktemp -d`: mode 0700) is
+    covered by a tmpfs holding only the entries needed, bound back from descriptors opened
+    before. Nothing changes outside that namespace, nothing is left on disk. Empty when nothing
+    is in the way."""
+    needed = (os.path.realpath(sys.executable), os.path.realpath(sys.base_prefix), sys.prefix)
+    covered: dict[Path, set[str]] = {}
+    for target in (*needed, str(ROOT)):
+        path = Path(target)
         for parent in reversed(path.parents):
-            if parent == Path("/") or os.stat(parent).st_mode & 0o001:
-                continue
-            child = shlex.quote(str(parent / path.relative_to(parent).parts[0]))
-            return "; ".join(
-                [
-                    f"exec 9<{child}",
-                    f"mount -t tmpfs -o mode=0755 tmpfs {shlex.quote(str(parent))}",
-                    f"mkdir -p {child}",
-                    f"mount --no-canonicalize --bind /proc/self/fd/9 {child}",
-                    "exec 9<&-",
-                ]
-            )
-    return ""
+            if parent != Path("/") and not os.stat(parent).st_mode & 0o001:
+                covered.setdefault(parent, set()).add(path.relative_to(parent).parts[0])
+                break
+    lines: list[str] = []
+    descriptor = 9
+    for parent, children in sorted(covered.items()):
+        bind: list[str] = []
+        for name in sorted(children):
+            child = shlex.quote(str(parent / name))
+            lines.append(f"exec {descriptor}<{child}")
+            bind += [
+                f"mkdir -p {child}",
+                f"mount --no-canonicalize --bind /proc/self/fd/{descriptor} {child}",
+                f"exec {descriptor}<&-",
+            ]
+            descriptor -= 1
+        lines.append(f"mount -t tmpfs -o mode=0755 tmpfs {shlex.quote(str(parent))}")
+        lines += bind
+    return "; ".join(lines)
 
 
 def in_namespace(namespace: str, argv: list[str], *, uid: int | None = None) -> list[str]:

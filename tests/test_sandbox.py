@@ -303,6 +303,16 @@ def writable(world: World) -> Path:
     return directory
 
 
+def readable_copy(world: World, name: str) -> Path:
+    """A copy of tests/NAME that COMMAND's user can read: the checkout may sit below a directory
+    only root can enter (a fresh clone in `mktemp -d`, mode 0700)."""
+    copy = world.shared / name
+    if not copy.exists():
+        shutil.copyfile(TESTS / name, copy)
+        copy.chmod(0o755)
+    return copy
+
+
 def agent_args(world: World, subnets: Subnets, observers: Observers) -> list[str]:
     return [str(world.port), world.ca_file, subnets.host4, subnets.host6, *observers.args()]
 
@@ -317,7 +327,7 @@ def test_command_reaches_the_allowed_name_and_every_bypass_fails(
     before = world.upstream.connections
     session = run_sandbox(
         tmp_path, world, subnets, "--user", "nobody",
-        command=[TOOLS["bash"], str(TESTS / "sandbox_agent.sh"),
+        command=[TOOLS["bash"], str(readable_copy(world, "sandbox_agent.sh")),
                  *agent_args(world, subnets, observers)],
     )  # fmt: skip
     diagnostics = f"stdout:\n{session.stdout}\nstderr:\n{session.stderr}"
@@ -442,8 +452,8 @@ def test_the_proxy_dying_ends_the_session_and_nothing_leaks(
     session_id = f"test-{secrets.token_hex(6)}"
     command = sandbox_command(
         tmp_path, world, subnets, "--user", "nobody", "--session-id", session_id,
-        command=[TOOLS["bash"], str(TESTS / "sandbox_dying.sh"), str(world.port), world.ca_file,
-                 subnets.host4, str(observers.port("tcp", 4)), str(shared)],
+        command=[TOOLS["bash"], str(readable_copy(world, "sandbox_dying.sh")), str(world.port),
+                 world.ca_file, subnets.host4, str(observers.port("tcp", 4)), str(shared)],
     )  # fmt: skip
     process = subprocess.Popen(
         command, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
