@@ -72,7 +72,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from bench_stats import dig, latency_summary, median
+from bench_stats import dig, latency_summary, median, ratios_by_round
 
 ROOT = Path(__file__).resolve().parent.parent
 LOOPBACK = "127.0.0.1"
@@ -1049,12 +1049,7 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
         for figure, path in FIGURES.items():
             row[figure] = median([dig(r, path) for r in rounds])
         for figure in RATIOS:
-            ratios = []
-            for mine, theirs in zip(rounds, direct, strict=False):
-                a, b = dig(mine, FIGURES[figure]), dig(theirs, FIGURES[figure])
-                if a is not None and b:
-                    ratios.append(a / b)
-            row[f"{figure}_vs_direct"] = median(ratios)
+            row[f"{figure}_vs_direct"] = median(ratios_by_round(rounds, direct, FIGURES[figure]))
         row["errors"] = sum(
             (dig(r, ("latency", "errors")) or 0) + (dig(r, ("rate", "errors")) or 0) for r in rounds
         )
@@ -1079,12 +1074,7 @@ def plane_problem(config: str, metrics: dict[str, float]) -> str | None:
 
 def _ratio(runs: dict[str, list[dict[str, Any]]], a: str, b: str, figure: str) -> float | None:
     """Median over rounds of figure(a) / figure(b) within each round."""
-    ratios = []
-    for x, y in zip(runs.get(a, []), runs.get(b, []), strict=False):
-        u, v = dig(x, FIGURES[figure]), dig(y, FIGURES[figure])
-        if u is not None and v:
-            ratios.append(u / v)
-    return median(ratios)
+    return median(ratios_by_round(runs.get(a, []), runs.get(b, []), FIGURES[figure]))
 
 
 def targets(
@@ -1389,6 +1379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for config in configs:
                 t0 = time.perf_counter()
                 result = one_round(config, Path(tmp) / config, bench)
+                result["round"] = n + 1  # ratios pair samples of the same round
                 runs[config].append(result)
                 log(
                     f"round {n + 1}/{settings.rounds} {config:<11} "
