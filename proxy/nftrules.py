@@ -95,24 +95,14 @@ def pod_chains(
     dns = _port(dns_port, "DNS port")
     explicit = None if explicit_port is None else _port(explicit_port, "explicit port")
     admin = None if admin_port is None else _port(admin_port, "admin port")
-    # The DNS port is a TCP port too: the proxy's DNS listener answers both transports there.
-    tcp = {
-        "transparent port": transparent,
-        "explicit port": explicit,
-        "admin port": admin,
-        "DNS port": dns,
-    }
-    named = [(what, port) for what, port in tcp.items() if port is not None]
-    for index, (what, port) in enumerate(named):
-        for other, other_port in named[index + 1 :]:
-            if port == other_port:
-                raise ProxyError(
-                    INVALID_BOUNDARY,
-                    f"the {what} and the {other} are both {port}: give each its own",
-                )
-    if dns == 53:
-        # A redirect of port 53 to itself would let the agent's queries reach any server.
-        raise ProxyError(INVALID_BOUNDARY, "the DNS port must not be 53 (it is what is redirected)")
+    _check_ports(
+        {
+            "transparent port": transparent,
+            "explicit port": explicit,
+            "admin port": admin,
+            "DNS port": dns,
+        }
+    )
     loopback_tcp = _set(p for p in (transparent, explicit, dns) if p is not None)
     nat = [f"meta skuid {uid} return"]
     if explicit is not None:
@@ -147,6 +137,22 @@ def pod_chains(
         Chain("filter_output", "filter", "output", 0, "drop", tuple(output)),
         Chain("filter_input", "filter", "input", 0, "drop", tuple(inbound)),
     )
+
+
+def _check_ports(tcp: dict[str, int | None]) -> None:
+    """Refuses TCP ports that collide (the "DNS port" is a TCP port too: the proxy's DNS
+    listener answers both transports there) and a DNS port of 53."""
+    named = [(what, port) for what, port in tcp.items() if port is not None]
+    for index, (what, port) in enumerate(named):
+        for other, other_port in named[index + 1 :]:
+            if port == other_port:
+                raise ProxyError(
+                    INVALID_BOUNDARY,
+                    f"the {what} and the {other} are both {port}: they must differ",
+                )
+    if tcp.get("DNS port") == 53:
+        # A redirect of port 53 to itself would let the agent's queries reach any server.
+        raise ProxyError(INVALID_BOUNDARY, "the DNS port must not be 53 (it is what is redirected)")
 
 
 def _set(ports: Iterable[int]) -> str:
@@ -225,12 +231,7 @@ def sandbox_chains(
     explicit = _port(explicit_port, "explicit port")
     transparent = _port(transparent_port, "transparent port")
     dns = _port(dns_port, "DNS port")
-    if len({explicit, transparent}) != 2:
-        raise ProxyError(INVALID_BOUNDARY, "the explicit and transparent ports must differ")
-    if dns == 53:
-        raise ProxyError(INVALID_BOUNDARY, "the DNS port must not be 53 (it is what is redirected)")
-    if dns in (explicit, transparent):
-        raise ProxyError(INVALID_BOUNDARY, "the DNS port serves TCP too: give it its own port")
+    _check_ports({"explicit port": explicit, "transparent port": transparent, "DNS port": dns})
     link = f'iifname "{host_link}"'
     link_only = "ip6 hoplimit 255"  # a routed packet arrives with less
     tcp = _set((explicit, transparent, dns))
