@@ -23,6 +23,7 @@ import json
 import re
 import signal
 import socket
+import socketserver
 import subprocess
 import sys
 import tempfile
@@ -59,6 +60,29 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def tcp_server(handle: Callable[[socket.socket], None], host: str = LOOPBACK) -> Iterator[int]:
+    """A TCP server on `host` that runs `handle(connection)` for every connection, each in a
+    thread of its own, and closes the connection after it; yields the port. A handler's
+    OSError (a client gone) ends that connection only."""
+
+    class Handler(socketserver.BaseRequestHandler):
+        def handle(self) -> None:
+            with contextlib.suppress(OSError):
+                handle(self.request)
+
+    server = socketserver.ThreadingTCPServer((host, 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, args=(0.1,), daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
 
 
 def listening(port: int, host: str = LOOPBACK) -> bool:

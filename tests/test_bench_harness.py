@@ -12,12 +12,12 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from running import tcp_server
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -32,29 +32,8 @@ GREETING = b"hello from upstream"
 @pytest.fixture
 def upstream() -> Iterator[int]:
     """A TCP server on 127.0.0.1 that greets every connection and closes it."""
-    server = socket.create_server(("127.0.0.1", 0))
-    server.settimeout(0.2)
-    stop = threading.Event()
-
-    def serve() -> None:
-        while not stop.is_set():
-            try:
-                sock, _ = server.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            with sock:
-                sock.sendall(GREETING)
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield server.getsockname()[1]
-    finally:
-        stop.set()
-        server.close()
-        thread.join(5)
+    with tcp_server(lambda conn: conn.sendall(GREETING)) as port:
+        yield port
 
 
 def available(name: str) -> Any:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from dns_server import DNSServer
+from running import tcp_server
 
 from proxy.errors import ProxyError
 from proxy.probes import (
@@ -36,36 +37,19 @@ LOOPBACK = "127.0.0.1"
 @contextlib.contextmanager
 def tcp_answering(answer: bytes) -> Iterator[int]:
     """A loopback TCP server that reads a request head and sends `answer` to each connection."""
-    server = socket.create_server((LOOPBACK, 0))
-    server.settimeout(0.2)  # so the loop sees `stop` soon after the test is done
-    stop = threading.Event()
 
-    def serve() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = server.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            with conn:
-                conn.settimeout(5)
-                data = b""
-                while b"\r\n\r\n" not in data and len(data) < 65536:
-                    chunk = conn.recv(4096)
-                    if not chunk:
-                        break
-                    data += chunk
-                conn.sendall(answer)
+    def answer_head(conn: socket.socket) -> None:
+        conn.settimeout(5)
+        data = b""
+        while b"\r\n\r\n" not in data and len(data) < 65536:
+            chunk = conn.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+        conn.sendall(answer)
 
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield server.getsockname()[1]
-    finally:
-        stop.set()
-        thread.join(timeout=5)
-        server.close()
+    with tcp_server(answer_head, LOOPBACK) as port:
+        yield port
 
 
 @contextlib.contextmanager
