@@ -909,17 +909,7 @@ def dns_client_main(loop_name: str) -> int:
                 latencies.append(await asyncio.wait_for(tunnels._one_tunnel(targets[name]), 10.0))
             except (OSError, ConnectionError, TimeoutError) as exc:
                 errors.append(f"{name}: {type(exc).__name__}: {exc}")
-        tunnels._say(
-            {
-                "start": t0,
-                "end": time.monotonic(),
-                "tunnels": len(latencies),
-                "errors": len(errors),
-                "first_errors": errors[:3],
-                "latencies_ms": [round(x * 1e3, 4) for x in latencies],
-                "client_cpu_s": time.process_time() - cpu0,
-            }
-        )
+        tunnels._say(tunnels.client_result(t0, cpu0, latencies, errors))
 
     tunnels.run_loop(main, loop_name)
     return 0

@@ -26,7 +26,6 @@ import os
 import pwd
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -35,6 +34,8 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from tunnels import stop_child
 
 LOOPBACK = "127.0.0.1"
 PEERS = ("tinyproxy", "privoxy", "squid", "mitmdump")
@@ -361,14 +362,7 @@ class Served:
         return ""
 
     def stop(self) -> int:
-        if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        return self.process.wait(timeout=10)
+        return stop_child(self.process, STOP_TIMEOUT)
 
 
 def wait_listening(served: Served, timeout: float = READY_TIMEOUT) -> None:

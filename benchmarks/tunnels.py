@@ -422,12 +422,20 @@ async def _tunnels(target: _Target, clients: int, count: int, seconds: float) ->
     if pending:
         await asyncio.wait(pending, timeout=5)
         errors.append(f"{len(pending)} client(s) stuck past the time limit")
+    return client_result(t0, cpu0, latencies, errors)
+
+
+def client_result(
+    t0: float, cpu0: float, latencies: Sequence[float], errors: Sequence[str]
+) -> dict[str, Any]:
+    """What a client process reports for a phase that began at monotonic `t0` with process CPU
+    time `cpu0`: counts, the first errors, every latency in ms, its own CPU."""
     return {
         "start": t0,
         "end": time.monotonic(),
         "tunnels": len(latencies),
         "errors": len(errors),
-        "first_errors": errors[:3],
+        "first_errors": list(errors[:3]),
         "latencies_ms": [round(x * 1e3, 4) for x in latencies],
         "client_cpu_s": time.process_time() - cpu0,
     }
@@ -768,14 +776,31 @@ class Proxy:
         return out
 
     def stop(self) -> int:
-        if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        return self.process.wait(timeout=10)
+        return stop_child(self.process)
+
+
+def stop_child(process: subprocess.Popen[Any], timeout: float = STOP_TIMEOUT) -> int:
+    """SIGTERM (a proxy drains), SIGKILL after `timeout`; the exit status."""
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    return process.wait(timeout=10)
+
+
+def end_by_stdin(process: subprocess.Popen[bytes]) -> None:
+    """Closes a role process's stdin (its signal to end) and waits; SIGKILL after 10 s."""
+    if process.stdin is not None:
+        with contextlib.suppress(OSError):
+            process.stdin.close()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=10)
 
 
 @contextlib.contextmanager
@@ -790,14 +815,7 @@ def upstream_process(loop_name: str) -> Iterator[dict[str, Any]]:
             raise RuntimeError("the upstream process did not start")
         yield json.loads(line)
     finally:
-        if process.stdin is not None:
-            with contextlib.suppress(OSError):
-                process.stdin.close()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
+        end_by_stdin(process)
 
 
 @dataclass
@@ -883,14 +901,7 @@ def client_phase(
         after = [proc_cpu(pid) for pid in pids]
     finally:
         for process in processes:
-            with contextlib.suppress(OSError):
-                assert process.stdin is not None
-                process.stdin.close()
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=10)
+            end_by_stdin(process)
     cpu: dict[str, float | None] = {}
     for who, a, b in zip(("proxy", "upstream"), before, after, strict=True):
         cpu[f"{who}_cpu_s"] = None if a is None or b is None else b - a
