@@ -120,10 +120,6 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self._children: dict[tuple[Any, ...], Any] = {}
-        # The same children by the label values as callers pass them (before the guards), for
-        # the calls every connection makes; only values the guards keep as they are land here,
-        # so this stays as bounded as the guards.
-        self._decisions: dict[tuple[Any, ...], Any] = {}
         r = self.registry
         self._decision = _LabelGuard(DECISIONS)
         self._plane = _LabelGuard(PLANES)
@@ -239,22 +235,15 @@ class Metrics:
 
     def decision(self, decision: str | bool, reason: str, stage: str, plane: str = "l7") -> None:
         """One policy decision. `decision` is "allow"/"deny" (or a bool: True is allow)."""
-        # type(decision) in the key: True == 1, but only True means allow.
-        key = (type(decision), decision, reason, stage, plane)
-        child = self._decisions.get(key)
-        if child is None:
-            if isinstance(decision, bool):
-                decision = "allow" if decision else "deny"
-            labels = (
-                self._decision(decision),
-                self._reason(reason),
-                self._stage(stage),
-                self._plane(plane),
-            )
-            child = self._child(self.decisions, *labels)
-            if labels == (decision, reason, stage, plane) and type(reason) is str:
-                self._decisions[key] = child
-        child.inc()
+        if isinstance(decision, bool):
+            decision = "allow" if decision else "deny"
+        self._child(
+            self.decisions,
+            self._decision(decision),
+            self._reason(reason),
+            self._stage(stage),
+            self._plane(plane),
+        ).inc()
 
     def record(self, decision: Decision | AddressDecision, plane: str = "l7") -> None:
         """A policy `Decision` or `AddressDecision` as it came out of the policy core."""
