@@ -27,7 +27,6 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from json.encoder import c_make_encoder, encode_basestring_ascii
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
@@ -47,32 +46,6 @@ Client = str | tuple[str, int] | tuple[str, int, int, int] | None
 
 # One encoder for every line (json.dumps builds a new one per call when given options).
 _ENCODE = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"), default=str).encode
-
-
-def _built_encoder() -> Callable[[dict[str, Any], int], Iterable[str]] | None:
-    """_ENCODE's C encoder, built once: JSONEncoder.encode builds it again on every call. Same
-    settings, without cycle markers (a record is a flat dict). The C encoder is not public API:
-    None (so _ENCODE is used) unless it gives _ENCODE's text for a sample."""
-    try:
-        encoder = c_make_encoder(
-            None, str, encode_basestring_ascii, None, ":", ",", False, False, True
-        )
-        sample = {"a": "\u00e9\n\u2028", "b": 1, "c": None, "d": [1.5, "x"], "e": True, "f": b"x"}
-        if "".join(encoder(sample, 0)) == _ENCODE(sample):
-            return encoder  # type: ignore[no-any-return]
-    except Exception:  # no C accelerator, or another signature: the documented way then
-        pass
-    return None
-
-
-_C_ENCODE = _built_encoder()
-
-
-def _encode(record: dict[str, Any]) -> str:
-    """`_ENCODE(record)`, faster."""
-    if _C_ENCODE is None:
-        return _ENCODE(record)
-    return "".join(_C_ENCODE(record, 0))
 
 
 def _timestamp(seconds: float) -> str:
@@ -321,7 +294,7 @@ class AuditLog:
 
     def write(self, event: DecisionEvent | CloseEvent) -> None:
         record = event.to_json(session=self.session, now=self._clock())
-        line = _encode(record) + "\n"
+        line = _ENCODE(record) + "\n"
         self._emit(line)
 
     # -- output -------------------------------------------------------------------------------

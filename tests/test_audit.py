@@ -14,16 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from policy.addresses import Verdict
 from policy.decisions import AddressDecision, Decision
-from proxy.audit import (
-    _C_ENCODE,
-    _ENCODE,
-    MAX_FIELD,
-    MAX_PATH,
-    AuditLog,
-    CloseEvent,
-    DecisionEvent,
-    _encode,
-)
+from proxy.audit import MAX_FIELD, MAX_PATH, AuditLog, CloseEvent, DecisionEvent
 from proxy.metrics import Metrics
 
 # 2026-01-02T03:04:05.678Z
@@ -302,21 +293,3 @@ def test_events_are_frozen_and_serialisable() -> None:
     record = event.to_json(session="s", now=FIXED)
     assert json.loads(json.dumps(record)) == record
     assert record["time"] == "2026-01-02T03:04:05.678Z"
-
-
-def test_the_line_encoder_writes_what_json_would() -> None:
-    """`_encode` (the C encoder built once) gives the text of the documented JSONEncoder, for
-    odd values too (the default=str fallback, non-ASCII, floats, nested lists)."""
-    assert _C_ENCODE is not None  # CPython: the fast encoder is the one in use
-    records = [
-        DecisionEvent(decision="allow", reason="allowed", host="h", port=443).to_json(
-            session="s", now=FIXED
-        ),
-        CloseEvent(host="h\u2028\x1b[2J", duration=1 / 3, pinned=("::1",)).to_json(
-            session=None, now=FIXED
-        ),
-        {"a": b"\xff", "b": ("t", 1), "c": [1.5, -0.0, 10**30], "d": True, "e": {"n": None}},
-        {"f": float("inf"), "g": Path("/x"), "h": 1.0e-7},
-    ]
-    for record in records:
-        assert _encode(record) == _ENCODE(record)
