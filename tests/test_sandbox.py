@@ -313,6 +313,16 @@ def readable_copy(world: World, name: str) -> Path:
     return copy
 
 
+def wait_ready(process: subprocess.Popen[str], marker: Path) -> None:
+    """Until COMMAND inside the sandbox has created `marker` (60 s at most); the sandbox's
+    output if it ended first."""
+    deadline = time.monotonic() + 60
+    while not marker.exists():
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, f"COMMAND never created {marker.name}"
+        time.sleep(0.05)
+
+
 def agent_args(world: World, subnets: Subnets, observers: Observers) -> list[str]:
     return [str(world.port), world.ca_file, subnets.host4, subnets.host6, *observers.args()]
 
@@ -460,11 +470,7 @@ def test_the_proxy_dying_ends_the_session_and_nothing_leaks(
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 60
-        while not (shared / "ready").exists():
-            assert process.poll() is None, process.communicate()
-            assert time.monotonic() < deadline, "COMMAND never got ready"
-            time.sleep(0.05)
+        wait_ready(process, shared / "ready")
         connections = world.upstream.connections
         pid = _proxy_pid(session_id)
         os.kill(pid, signal.SIGKILL)
@@ -576,11 +582,7 @@ def test_sigterm_goes_to_command_and_the_session_ends_with_its_status(
         text=True,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 60
-        while not (shared / "ready").exists():
-            assert process.poll() is None, process.communicate()
-            assert time.monotonic() < deadline, "COMMAND never started"
-            time.sleep(0.05)
+        wait_ready(process, shared / "ready")
         process.send_signal(signal.SIGTERM)
         stdout, stderr = process.communicate(timeout=60)
     finally:
