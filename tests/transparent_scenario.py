@@ -81,6 +81,18 @@ class Upstream:
         self.sock.close()
 
 
+def tls_get_on(
+    raw: socket.socket, context: ssl.SSLContext, sni: str | None, host: str
+) -> dict[str, Any]:
+    """A TLS GET for `host` on the connected socket `raw`; the status line's code."""
+    with context.wrap_socket(raw, server_hostname=sni) as conn:
+        conn.sendall(f"GET / HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        data = b""
+        while chunk := conn.recv(4096):
+            data += chunk
+    return {"ok": True, "status": data.split(b" ", 2)[1].decode() if data else None}
+
+
 def tls_get(address: str, port: int, sni: str | None, ca: str) -> dict[str, Any]:
     """A verified TLS GET to address:port with `sni` (None: no SNI, no verification)."""
     context = ssl.create_default_context(cafile=ca)
@@ -92,13 +104,7 @@ def tls_get(address: str, port: int, sni: str | None, ca: str) -> dict[str, Any]
         with socket.socket(family, socket.SOCK_STREAM) as raw:
             raw.settimeout(5)
             raw.connect((address, port))
-            with context.wrap_socket(raw, server_hostname=sni) as conn:
-                host = sni or address
-                conn.sendall(f"GET / HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
-                data = b""
-                while chunk := conn.recv(4096):
-                    data += chunk
-        return {"ok": True, "status": data.split(b" ", 2)[1].decode() if data else None}
+            return tls_get_on(raw, context, sni, sni or address)
     except (OSError, ssl.SSLError) as exc:
         return {"ok": False, "error": type(exc).__name__}
 
@@ -141,13 +147,7 @@ def connect_get(proxy_port: int, host: str, port: int, ca: str) -> dict[str, Any
             status = head.split(b" ", 2)[1].decode() if head else None
             if status != "200":
                 return {"ok": False, "connect": status}
-            context = ssl.create_default_context(cafile=ca)
-            with context.wrap_socket(raw, server_hostname=host) as conn:
-                conn.sendall(f"GET / HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
-                data = b""
-                while chunk := conn.recv(4096):
-                    data += chunk
-        return {"ok": True, "status": data.split(b" ", 2)[1].decode() if data else None}
+            return tls_get_on(raw, ssl.create_default_context(cafile=ca), host, host)
     except (OSError, ssl.SSLError) as exc:
         return {"ok": False, "error": type(exc).__name__}
 
