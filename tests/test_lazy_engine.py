@@ -61,6 +61,19 @@ def engine_loaded(proxy: RunningProxy) -> float | None:
     return metric_value(proxy.metrics(), "egress_engine_loaded")
 
 
+def allowed_and_denied_tunnels(proxy: RunningProxy, upstream: TLSUpstream) -> None:
+    """An allowed tunnel (the client verifies the upstream's own certificate) and a denied one,
+    then their two close lines."""
+    url = f"https://tls.test:{upstream.port}/"
+    allowed = curl(proxy.port, url, "--cacert", str(upstream.ca_file))
+    assert (allowed.connect_status, allowed.status) == (200, 200), allowed.stderr
+    assert allowed.body == TLS_BODY.decode()
+    denied = curl(proxy.port, "https://denied.test/")
+    assert denied.connect_status == 403
+    assert denied.headers["x-egress-denied"] == "not_allowed"
+    wait_for(lambda: len(proxy.closes()) == 2, what="two close lines")
+
+
 def test_a_passthrough_session_never_imports_mitmproxy(
     tmp_path: Path, dns: DNSServer, upstream: TLSUpstream, web: HTTPUpstream
 ) -> None:
@@ -72,16 +85,7 @@ def test_a_passthrough_session_never_imports_mitmproxy(
         config_extra=f"inspection:\n  ca_dir: {tmp_path / 'ca'}\n",
     ) as proxy:
         assert "proxy.frontdoor" in imported_modules(proxy.stderr())  # the flag took effect
-        # An allowed tunnel: the client verifies the upstream's own certificate.
-        url = f"https://tls.test:{upstream.port}/"
-        allowed = curl(proxy.port, url, "--cacert", str(upstream.ca_file))
-        assert (allowed.connect_status, allowed.status) == (200, 200), allowed.stderr
-        assert allowed.body == TLS_BODY.decode()
-        # A denied one.
-        denied = curl(proxy.port, "https://denied.test/")
-        assert denied.connect_status == 403
-        assert denied.headers["x-egress-denied"] == "not_allowed"
-        wait_for(lambda: len(proxy.closes()) == 2, what="two close lines")
+        allowed_and_denied_tunnels(proxy, upstream)
         assert mitmproxy_modules(proxy) == []
         assert engine_loaded(proxy) == 0
         assert not (tmp_path / "ca").exists()  # nor was the inspection CA made
@@ -131,14 +135,7 @@ def test_engine_only_serves_connect_on_the_l7_plane(
         config_extra=f"inspection:\n  ca_dir: {tmp_path / 'ca'}\n",
     ) as proxy:
         assert engine_loaded(proxy) == 1
-        url = f"https://tls.test:{upstream.port}/"
-        allowed = curl(proxy.port, url, "--cacert", str(upstream.ca_file))
-        assert (allowed.connect_status, allowed.status) == (200, 200), allowed.stderr
-        assert allowed.body == TLS_BODY.decode()
-        denied = curl(proxy.port, "https://denied.test/")
-        assert denied.connect_status == 403
-        assert denied.headers["x-egress-denied"] == "not_allowed"
-        wait_for(lambda: len(proxy.closes()) == 2, what="two close lines")
+        allowed_and_denied_tunnels(proxy, upstream)
         lines = proxy.audit()
         assert {(x["plane"], x["protocol"]) for x in lines} == {("l7", "connect")}
         gate = next(x for x in lines if x.get("stage") == "sni")
