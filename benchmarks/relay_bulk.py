@@ -41,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from proxy.relay import relay, splice_available  # noqa: E402
+from proxy.net.relay import relay, splice_available  # noqa: E402
 
 MIB = 1 << 20
 GIB = 1 << 30

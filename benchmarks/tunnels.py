@@ -612,7 +612,7 @@ async def _bare_serve(sock: socket.socket, upstream_host: str, relay: Any) -> No
 
 def bare_main(loop_name: str, upstream_host: str) -> int:
     sys.path.insert(0, str(ROOT))
-    from proxy.relay import relay
+    from proxy.net.relay import relay
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

@@ -22,3 +22,10 @@ def printable(text: str) -> str:
     if text.isascii() and text.isprintable():
         return text
     return _UNPRINTABLE.sub(_escape, text)
+
+
+def one_line(text: str, limit: int) -> str:
+    """`text` as one line of at most `limit` characters: no control characters (it may end up
+    in an HTTP body or a message that promises one line)."""
+    cleaned = "".join(ch if ch.isprintable() else "?" for ch in text[: limit + 1])
+    return cleaned if len(cleaned) <= limit else cleaned[: limit - 1] + "…"

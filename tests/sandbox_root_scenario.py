@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import sys
 
-from proxy.probes import parse_spec, run_probes
+from proxy.boundary.probes import parse_spec, run_probes
 
 
 def main() -> int:

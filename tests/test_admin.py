@@ -18,8 +18,9 @@ import pytest
 import pytest_asyncio
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
-from proxy.admin import MAX_HEAD_BYTES, AdminServer, Readiness, format_listen, parse_listen
 from proxy.errors import ProxyError
+from proxy.netaddr import format_listen, parse_listen
+from proxy.ops.admin import MAX_HEAD_BYTES, AdminServer, Readiness
 
 CURL = shutil.which("curl")
 needs_curl = pytest.mark.skipif(CURL is None, reason="curl is not installed")
@@ -484,7 +485,7 @@ def test_parse_listen_refuses(text: str) -> None:
 
 def test_admin_does_not_import_mitmproxy() -> None:
     # The admin listener must be usable by a fast-path-only process without mitmproxy's imports.
-    code = "import sys, proxy.admin; sys.exit('mitmproxy' in sys.modules)"
+    code = "import sys, proxy.ops.admin; sys.exit('mitmproxy' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False, timeout=30).returncode == 0
 
 

@@ -1,4 +1,4 @@
-"""proxy.audit: one JSON line per record, hostile values contained, failures counted."""
+"""proxy.ops.audit: one JSON line per record, hostile values contained, failures counted."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from policy.addresses import Verdict
 from policy.decisions import AddressDecision, Decision
-from proxy.audit import MAX_FIELD, MAX_PATH, AuditLog, CloseEvent, DecisionEvent
-from proxy.metrics import Metrics
+from proxy.decide.events import MAX_FIELD, MAX_PATH, CloseEvent, DecisionEvent
+from proxy.ops.audit import AuditLog
+from proxy.ops.metrics import Metrics
 
 # 2026-01-02T03:04:05.678Z
 FIXED = 1767323045.678

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from proxy import nftrules
+from proxy.boundary import nftrules
 
 ROOT = Path(__file__).resolve().parent.parent
 IP, NFT = shutil.which("ip"), shutil.which("nft")

@@ -1,4 +1,4 @@
-"""proxy.clienthello: real ClientHellos (Python's ssl, openssl s_client), hellos split across
+"""proxy.decide.clienthello: real ClientHellos (Python's ssl, openssl s_client), hellos split across
 reads and records, each refusal, and a differential test against mitmproxy's parser (the one the
 L7 engine uses) on generated and mutated hellos.
 
@@ -36,7 +36,7 @@ from mitmproxy.proxy.layers.tls import handshake_record_contents
 from mitmproxy.proxy.layers.tls import parse_client_hello as mitm_parse_client_hello
 from mitmproxy.tls import ClientHello as MitmClientHello
 
-from proxy.clienthello import (
+from proxy.decide.clienthello import (
     INVALID_CLIENT_HELLO,
     MAX_CLIENT_HELLO,
     MAX_RECORD_PAYLOAD,

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from policy import PolicyError
 from policy.urls import split_authority
-from proxy.frontdoor import MAX_CONNECT_HEAD, _parse_connect, _plain_connect
-from proxy.refusals import INVALID_REQUEST, Refused
+from proxy.dataplane.frontdoor import MAX_CONNECT_HEAD, _parse_connect, _plain_connect
+from proxy.reasons import INVALID_REQUEST, Refused
 
 CURL_HEAD = (
     b"CONNECT pypi.org:443 HTTP/1.1\r\nHost: pypi.org:443\r\nUser-Agent: curl/8.5.0\r\n"

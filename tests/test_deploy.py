@@ -22,11 +22,11 @@ import kubernetes_validate.utils
 import pytest
 import yaml
 
-from proxy import nftrules
+from proxy.boundary import nftrules
+from proxy.boundary.probes import parse_spec
 from proxy.cli import build_parser
 from proxy.cli import main as cli_main
 from proxy.errors import ProxyError
-from proxy.probes import parse_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -597,7 +597,7 @@ def test_boundary_apply_print_renders_and_refuses_bad_input(tmp_path: Path) -> N
 
 _READ_BACK = """
 import json, subprocess, sys
-from proxy import nftrules
+from proxy.boundary import nftrules
 text, other = sys.argv[1], sys.argv[2]
 subprocess.run(["nft", "-f", "-"], input=text, text=True, check=True)
 loaded = nftrules.read_back("egress_boundary")

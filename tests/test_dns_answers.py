@@ -15,9 +15,9 @@ from running import metric_value
 from test_engine import ExplodingPolicy
 
 from policy import Policy, compile_policy, load_manifest
-from proxy.audit import AuditLog
-from proxy.config import load_config
-from proxy.dns_answers import (
+from proxy.app.config import load_config
+from proxy.decide.vetting import Peer, Vetter
+from proxy.dns.answers import (
     DNS_CLASS_NOT_SERVED,
     DNS_MALFORMED,
     DNS_OPCODE_NOT_SERVED,
@@ -35,9 +35,9 @@ from proxy.dns_answers import (
     qtype_text,
     rcode_text,
 )
-from proxy.metrics import Metrics
-from proxy.resolver import Resolver
-from proxy.vetting import Peer, Vetter
+from proxy.net.resolver import Resolver
+from proxy.ops.audit import AuditLog
+from proxy.ops.metrics import Metrics
 
 MANIFEST = "network:\n  egress: [ok.test, priv.test, mixed.test, gone.test, empty.test, bad.test]\n"
 CONFIG = """\

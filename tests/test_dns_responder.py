@@ -23,7 +23,7 @@ from mitmproxy.proxy import mode_specs
 from running import LOOPBACK, RunningProxy, metric_value, wait_for
 
 from proxy.cli import main
-from proxy.dns_mode import EgressDnsAddon
+from proxy.l7.dns_mode import EgressDnsAddon
 
 MANIFEST = "network:\n  egress: [ok.test, priv.test, gone.test, other.test]\n"
 CEILING = "egress: [ok.test, priv.test, gone.test, other.test]\n"

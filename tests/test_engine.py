@@ -19,12 +19,12 @@ import pytest_asyncio
 from dns_server import DNSServer
 
 from policy import compile_policy, load_manifest
-from proxy.audit import AuditLog
-from proxy.config import load_config
-from proxy.engine import DENIED_HEADER, ERROR_HEADER, Engine
-from proxy.listen import Listener
-from proxy.metrics import Metrics
-from proxy.resolver import Resolver
+from proxy.app.config import load_config
+from proxy.l7.engine import DENIED_HEADER, ERROR_HEADER, Engine
+from proxy.net.resolver import Resolver
+from proxy.netaddr import Listener
+from proxy.ops.audit import AuditLog
+from proxy.ops.metrics import Metrics
 
 CURL = "/usr/bin/curl"
 MANIFEST = """\
@@ -494,7 +494,7 @@ def test_server_connect_refuses_what_was_not_vetted() -> None:
     from mitmproxy.connection import Client, Server
     from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
-    from proxy.engine import EgressAddon
+    from proxy.l7.engine import EgressAddon
 
     addon = EgressAddon(ExplodingPolicy(), None)  # type: ignore[arg-type]
     client = Client(peername=("127.0.0.1", 5000), sockname=("127.0.0.1", 3128))

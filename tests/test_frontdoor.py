@@ -42,14 +42,14 @@ from test_engine import (
 from test_engine import curl as engine_curl
 
 from policy import compile_policy, load_manifest
-from proxy.audit import AuditLog
-from proxy.config import Config, load_config
-from proxy.engine import Engine
-from proxy.frontdoor import MAX_CONNECT_HEAD, FrontDoor
-from proxy.listen import Listener
-from proxy.metrics import Metrics
-from proxy.resolver import Resolver
-from proxy.vetting import Vetter
+from proxy.app.config import Config, load_config
+from proxy.dataplane.frontdoor import MAX_CONNECT_HEAD, FrontDoor
+from proxy.decide.vetting import Vetter
+from proxy.l7.engine import Engine
+from proxy.net.resolver import Resolver
+from proxy.netaddr import Listener
+from proxy.ops.audit import AuditLog
+from proxy.ops.metrics import Metrics
 
 MANIFEST = "network:\n  egress: [tls.test, up.test, nx.test, slow.test, other.test]\n"
 NARROWER = "network:\n  egress: [up.test]\n"
@@ -948,7 +948,7 @@ def reset(writer: asyncio.StreamWriter) -> None:
 @pytest.mark.asyncio
 async def test_a_client_that_resets_early_is_not_logged_as_a_failure(dns: DNSServer) -> None:
     records = _Records()
-    logger = logging.getLogger("proxy.frontdoor")
+    logger = logging.getLogger("proxy.dataplane.frontdoor")
     logger.addHandler(records)
     try:
         async with (

@@ -30,9 +30,9 @@ from test_engine import (
 )
 from test_socks import curl_socks
 
-from proxy.ca import ensure_ca
 from proxy.errors import ProxyError
-from proxy.listen import Listener
+from proxy.l7.ca import ensure_ca
+from proxy.netaddr import Listener
 
 
 @pytest.fixture(scope="module")

@@ -84,7 +84,9 @@ def test_a_passthrough_session_never_imports_mitmproxy(
         python_flags=IMPORTTIME,
         config_extra=f"inspection:\n  ca_dir: {tmp_path / 'ca'}\n",
     ) as proxy:
-        assert "proxy.frontdoor" in imported_modules(proxy.stderr())  # the flag took effect
+        assert "proxy.dataplane.frontdoor" in imported_modules(
+            proxy.stderr()
+        )  # the flag took effect
         allowed_and_denied_tunnels(proxy, upstream)
         assert mitmproxy_modules(proxy) == []
         assert engine_loaded(proxy) == 0

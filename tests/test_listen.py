@@ -14,7 +14,7 @@ from running import LOOPBACK, RunningProxy, curl, http_upstream, wait_for
 
 from proxy.cli import main
 from proxy.errors import ProxyError
-from proxy.listen import Listener, check_listeners, parse_dns_listener, parse_listener
+from proxy.netaddr import Listener, check_listeners, parse_dns_listener, parse_listener
 
 
 def answer(conn: socket.socket) -> bytes:

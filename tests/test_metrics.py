@@ -1,4 +1,4 @@
-"""proxy.metrics: names, labels and values as the admin endpoint renders them."""
+"""proxy.ops.metrics: names, labels and values as the admin endpoint renders them."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from policy.addresses import Verdict
 from policy.decisions import AddressDecision, Decision
-from proxy.metrics import LATENCY_BUCKETS, MAX_LABEL_VALUES, OTHER, Metrics
+from proxy.ops.metrics import LATENCY_BUCKETS, MAX_LABEL_VALUES, OTHER, Metrics
 
 
 def samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

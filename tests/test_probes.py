@@ -17,8 +17,7 @@ import pytest
 from dns_server import DNSServer
 from running import tcp_server
 
-from proxy.errors import ProxyError
-from proxy.probes import (
+from proxy.boundary.probes import (
     DnsProbe,
     ProbeSpec,
     TcpProbe,
@@ -29,6 +28,7 @@ from proxy.probes import (
     tcp_answered_by_proxy,
     udp_blocked,
 )
+from proxy.errors import ProxyError
 
 ROOT = Path(__file__).resolve().parent.parent
 LOOPBACK = "127.0.0.1"

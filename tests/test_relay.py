@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from proxy import relay as relay_module
-from proxy.relay import COPY_CHUNK, Counter, RelayResult, relay, splice_available
+from proxy.net import relay as relay_module
+from proxy.net.relay import COPY_CHUNK, Counter, RelayResult, relay, splice_available
 
 LIMIT = 10.0  # seconds: no single test step may take longer
 BULK = 64 << 20

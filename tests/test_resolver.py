@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from dns_server import DNSServer, running_dns_server
 
-from proxy.config import Config, Nameserver
+from proxy.app.config import Config, Nameserver
 from proxy.errors import ProxyError
-from proxy.resolver import MAX_ADDRESSES, Resolver, _Family
+from proxy.net.resolver import MAX_ADDRESSES, Resolver, _Family
 
 
 class FakeClock:

@@ -30,7 +30,8 @@ from running import (
     wait_for,
 )
 
-from proxy.runtime import Runtime, compile_inputs, read_inputs
+from proxy.app.inputs import compile_inputs, read_inputs
+from proxy.app.runtime import Runtime
 
 MANIFEST = "network:\n  egress: [up.test, other.test]\n"
 CEILING = "tenant: test\negress: [up.test, other.test]\n"
@@ -203,11 +204,11 @@ def test_a_failing_hook_is_reported_on_stderr(tmp_path: Path) -> None:
         try:
             raise RuntimeError("boom \x1b[31m")
         except RuntimeError:
-            logging.getLogger("proxy.engine").exception("egress: http_connect failed")
+            logging.getLogger("proxy.l7.engine").exception("egress: http_connect failed")
     finally:
         logging.getLogger("proxy").removeHandler(handler)
     text = err.getvalue()
-    assert "egress-proxy: ERROR proxy.engine: egress: http_connect failed" in text
+    assert "egress-proxy: ERROR proxy.l7.engine: egress: http_connect failed" in text
     assert "RuntimeError: boom \\x1b[31m" in text
     assert "\x1b" not in text
 

@@ -14,11 +14,18 @@ from pathlib import Path
 
 import pytest
 
-from proxy import nftrules, sandbox
+from proxy.boundary import nftrules
+from proxy.boundary.sandbox import session as sandbox
+from proxy.boundary.sandbox.net import (
+    AddressPlan,
+    SessionNames,
+    conflicts,
+    parse_subnet,
+    plan_addresses,
+)
+from proxy.boundary.sandbox.options import resolve_user
 from proxy.cli import build_parser, main
 from proxy.errors import ProxyError
-from proxy.sandbox_cli import resolve_user
-from proxy.sandbox_net import AddressPlan, SessionNames, conflicts, parse_subnet, plan_addresses
 
 NFT = shutil.which("nft")
 

@@ -26,7 +26,7 @@ from test_engine import (
 )
 
 from proxy.cli import main
-from proxy.listen import Listener, parse_listener
+from proxy.netaddr import Listener, parse_listener
 
 
 @pytest.fixture

@@ -1,11 +1,11 @@
-"""proxy.vetting: the Vetter's memo of name-stage and address-stage answers is the policy's own
-answer, per policy (a reload starts afresh), and bounded against hostile keys."""
+"""proxy.decide.vetting: the Vetter's memo of name-stage and address-stage answers is the
+policy's own answer, per policy (a reload starts afresh), and bounded against hostile keys."""
 
 from __future__ import annotations
 
 from policy import compile_policy, load_manifest
-from proxy import vetting
-from proxy.vetting import Vetter
+from proxy.decide import vetting
+from proxy.decide.vetting import Vetter
 
 WIDE = "network:\n  egress: [a.test, b.test]\n"
 NARROW = "network:\n  egress: [b.test]\n"

@@ -81,14 +81,23 @@ from mitmproxy.proxy.layers import modes
 from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.layers.http import _http1 as mitm_http1_layer
 
-from proxy.audit import CloseEvent
-from proxy.ca import CertificateAuthority, check_upstream_ca, ensure_ca
-from proxy.dialing import UpstreamError, dial_checked
-from proxy.dns_answers import DnsResponder
-from proxy.dns_mode import UDP_IDLE_SECONDS, DnsLayer, EgressDnsAddon, is_dns_client
+from proxy.decide.events import CloseEvent
+from proxy.decide.sni_gate import check_hello
+from proxy.decide.vetting import Peer, Vetter, canonical_host
+from proxy.dns.answers import DnsResponder
 from proxy.errors import ProxyError
-from proxy.listen import Listener
-from proxy.refusals import (
+from proxy.l7.ca import CertificateAuthority, check_upstream_ca, ensure_ca
+from proxy.l7.dns_mode import UDP_IDLE_SECONDS, DnsLayer, EgressDnsAddon, is_dns_client
+from proxy.l7.socks import (
+    GENERAL_FAILURE,
+    HOST_UNREACHABLE,
+    NOT_ALLOWED,
+    EgressSocks5,
+    SocksRequest,
+)
+from proxy.net.dialing import UpstreamError, dial_checked
+from proxy.netaddr import Listener
+from proxy.reasons import (
     DENIED_HEADER,
     ERROR_HEADER,
     HEADER_TIMEOUT,
@@ -105,15 +114,6 @@ from proxy.refusals import (
     refusal_parts,
     shown,
 )
-from proxy.sni_gate import check_hello
-from proxy.socks import (
-    GENERAL_FAILURE,
-    HOST_UNREACHABLE,
-    NOT_ALLOWED,
-    EgressSocks5,
-    SocksRequest,
-)
-from proxy.vetting import Peer, Vetter, canonical_host
 
 if TYPE_CHECKING:
     from mitmproxy.connection import Client
@@ -121,10 +121,9 @@ if TYPE_CHECKING:
     from mitmproxy.tls import ClientHelloData, TlsData
 
     from policy import Decision, Policy
-    from proxy.audit import AuditLog
-    from proxy.config import Config
-    from proxy.metrics import Metrics
-    from proxy.resolver import Resolver
+    from proxy.decide.events import AuditSink, MetricsSink
+    from proxy.net.resolver import Resolver
+    from proxy.settings import Config
 
 logger = logging.getLogger(__name__)
 
@@ -246,7 +245,7 @@ class _Dial:
     port: int
     timeout: float
     counted: _Bytes
-    metrics: Metrics | None
+    metrics: MetricsSink | None
 
 
 _ERROR_TEXT = re.compile(r"egress-proxy: (upstream_refused|upstream_timeout|not_vetted): .*")
@@ -322,8 +321,8 @@ class EgressAddon:
         self,
         policy: Policy,
         resolver: Resolver,
-        metrics: Metrics | None = None,
-        audit: AuditLog | None = None,
+        metrics: MetricsSink | None = None,
+        audit: AuditSink | None = None,
         *,
         connect_timeout: float = 10.0,
         max_connections: int | None = None,
@@ -1029,8 +1028,8 @@ class Engine:
         policy: Policy,
         resolver: Resolver,
         config: Config,
-        metrics: Metrics | None = None,
-        audit: AuditLog | None = None,
+        metrics: MetricsSink | None = None,
+        audit: AuditSink | None = None,
         session_id: str | None = None,
         *,
         fronted: bool = False,

@@ -36,12 +36,15 @@ import h11
 
 from policy import PolicyError
 from policy.urls import split_authority
-from proxy.audit import CloseEvent
-from proxy.clienthello import ClientHelloError, parse_client_hello, starts_like_tls
-from proxy.dialing import UpstreamError, connect_socket, dial_checked
+from proxy.decide.clienthello import ClientHelloError, parse_client_hello, starts_like_tls
+from proxy.decide.events import CloseEvent
+from proxy.decide.sni_gate import GateOutcome, check_hello
+from proxy.decide.vetting import Peer, Vetter, canonical_host
 from proxy.errors import ProxyError
-from proxy.listen import Listener
-from proxy.refusals import (
+from proxy.net.dialing import UpstreamError, connect_socket, dial_checked
+from proxy.net.relay import Counter, relay
+from proxy.netaddr import Listener
+from proxy.reasons import (
     HEADER_TIMEOUT,
     INSPECTION_UNSUPPORTED,
     INTERNAL_ERROR,
@@ -59,15 +62,11 @@ from proxy.refusals import (
     refusal_response,
     shown,
 )
-from proxy.relay import Counter, relay
-from proxy.sni_gate import GateOutcome, check_hello
-from proxy.vetting import Peer, Vetter, canonical_host
 
 if TYPE_CHECKING:
     from policy import Policy
-    from proxy.audit import AuditLog
-    from proxy.config import Config
-    from proxy.metrics import Metrics
+    from proxy.decide.events import AuditSink, MetricsSink
+    from proxy.settings import Config
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +113,8 @@ class FrontDoor:
         self,
         vetter: Vetter,
         config: Config,
-        metrics: Metrics | None = None,
-        audit: AuditLog | None = None,
+        metrics: MetricsSink | None = None,
+        audit: AuditSink | None = None,
         *,
         engine: Callable[[], Awaitable[Handoff]],
     ) -> None:

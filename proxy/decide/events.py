@@ -1,37 +1,23 @@
-"""The audit log: JSON lines, one per decision and one per connection close (DESIGN 5).
+"""What the planes report, as values: one `DecisionEvent` per decision and one `CloseEvent` per
+connection close, each with its audit-line form (`to_json`: the schema of DESIGN 5). And the two
+sinks the planes report to, as protocols: the operations layer (proxy/ops/) implements them, so
+the planes never import it.
 
-Both planes (the L7 engine and the L4 fast path) write through `AuditLog`, so their lines have
-one schema. Every key is present on every line of its kind (null when unknown), so consumers
-need no per-plane cases; the only optional key is `truncated`, which names the fields that were
-cut to their cap.
-
-Hosts, SNI, paths and methods come from clients. Each string is capped, and lines are encoded
-with `ensure_ascii=True`: newlines, U+2028, and terminal escape sequences all become `\\uXXXX`
-escapes, so one record is always exactly one line, and `tail -f` on a terminal cannot be driven
-by a client.
-
-A write failure (disk full, closed pipe) never raises: an audit log that fails must not take the
-proxy down with it. Failures are counted in `write_errors` (and `egress_audit_write_errors_total`
-when a `Metrics` is given) and reported once on stderr.
+Hosts, SNI, paths and methods come from clients. Each string is capped, and `truncated` names
+the fields that were cut to their cap.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import json
 import math
-import os
-import sys
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from policy.decisions import AddressDecision, Decision
-    from proxy.metrics import Metrics
 
 MAX_FIELD = 512
 MAX_PATH = 2048
@@ -42,10 +28,6 @@ MAX_ADDRESSES = 64
 MAX_ADDRESS = 64  # longest IPv6 text with a zone id fits easily
 
 Client = str | tuple[str, int] | tuple[str, int, int, int] | None
-
-
-# One encoder for every line (json.dumps builds a new one per call when given options).
-_ENCODE = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"), default=str).encode
 
 
 def _timestamp(seconds: float) -> str:
@@ -243,111 +225,29 @@ class CloseEvent:
         return record.finish()
 
 
-class AuditLog:
-    """Writes audit lines to a file path (appended, created 0600), a given text stream, or,
-    by default, whatever `sys.stdout` is at write time."""
+class AuditSink(Protocol):
+    """Where the planes' events go (proxy.ops.audit.AuditLog)."""
 
-    def __init__(
-        self,
-        path: str | os.PathLike[str] | None = None,
-        *,
-        stream: TextIO | None = None,
-        session: str | None = None,
-        metrics: Metrics | None = None,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        if path is not None and stream is not None:
-            raise ValueError("give an audit log path or a stream, not both")
-        self.session = session
-        self.metrics = metrics
-        self.write_errors = 0
-        self._clock = clock
-        self._stream = stream
-        self._fd: int | None = None
-        self._closed = False
-        self._reported = False
-        # Set after a partial write: the next line then starts with a newline, so a torn line
-        # stays a line of its own instead of corrupting the next record too.
-        self._torn = False
-        if path is not None:
-            # Raw fd writes, one os.write per line: no userspace buffer keeps growing while the
-            # disk is full, and with O_APPEND each line lands whole at the end even if another
-            # process appends to the same file. Opening fails loudly: that is start-up, where a
-            # misconfigured audit path must stop the proxy rather than run unaudited.
-            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    def decision(self, event: DecisionEvent, /) -> None: ...
 
-    def __enter__(self) -> AuditLog:
-        return self
+    def closed(self, event: CloseEvent, /) -> None: ...
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
-    # -- events -------------------------------------------------------------------------------
+class MetricsSink(Protocol):
+    """The counters the planes move (proxy.ops.metrics.Metrics). Never raises."""
 
-    def decision(self, event: DecisionEvent | None = None, /, **fields: Any) -> None:
-        """Log one decision: a `DecisionEvent`, or its fields as keyword arguments."""
-        self.write(event if event is not None else DecisionEvent(**fields))
+    def decision(self, decision: str | bool, reason: str, stage: str, plane: str = ...) -> None: ...
 
-    def closed(self, event: CloseEvent | None = None, /, **fields: Any) -> None:
-        """Log one connection close: a `CloseEvent`, or its fields as keyword arguments."""
-        self.write(event if event is not None else CloseEvent(**fields))
+    def record(self, decision: Decision | AddressDecision, plane: str = ...) -> None: ...
 
-    def write(self, event: DecisionEvent | CloseEvent) -> None:
-        record = event.to_json(session=self.session, now=self._clock())
-        line = _ENCODE(record) + "\n"
-        self._emit(line)
+    def dns_lookup(self, seconds: float, outcome: str) -> None: ...
 
-    # -- output -------------------------------------------------------------------------------
+    def upstream_connect(self, seconds: float, outcome: str) -> None: ...
 
-    def _emit(self, line: str) -> None:
-        if self._closed:
-            self._failed(ValueError("audit log is closed"))
-            return
-        if self._torn:
-            line = "\n" + line
-        try:
-            if self._fd is not None:
-                data = line.encode("ascii")
-                written = 0
-                try:
-                    while written < len(data):
-                        written += os.write(self._fd, data[written:])
-                finally:
-                    # Nothing written leaves the previous state: a torn line still needs its
-                    # newline, and a clean one still does not.
-                    self._torn = written < len(data) and (written > 0 or self._torn)
-            else:
-                stream = self._stream if self._stream is not None else sys.stdout
-                stream.write(line)
-                stream.flush()
-                self._torn = False
-        # OSError: disk full, broken pipe. ValueError: a closed stream. RuntimeError: a
-        # buffered stream re-entered (e.g. from a signal handler) refuses the nested write.
-        except (OSError, ValueError, RuntimeError) as exc:
-            self._failed(exc)
+    def connection_opened(self, plane: str, protocol: str = ...) -> None: ...
 
-    def _failed(self, exc: BaseException) -> None:
-        self.write_errors += 1
-        if self.metrics is not None:
-            self.metrics.audit_write_error()
-        if self._reported:
-            return
-        # Set before writing to stderr, so a nested failure cannot report twice.
-        self._reported = True
-        with contextlib.suppress(OSError, ValueError, RuntimeError, AttributeError):
-            print(
-                f"egress-proxy: audit log write failed ({exc!r}); further failures are only "
-                "counted (egress_audit_write_errors_total)",
-                file=sys.stderr,
-                flush=True,
-            )
+    def connection_closed(
+        self, plane: str, bytes_up: int, bytes_down: int, seconds: float
+    ) -> None: ...
 
-    def close(self) -> None:
-        """Closes a file the log opened; a stream it was given (or stdout) stays open."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            with contextlib.suppress(OSError):
-                os.close(fd)
+    def dns_query(self, qtype: str, rcode: str) -> None: ...

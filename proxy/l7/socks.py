@@ -19,7 +19,7 @@ from mitmproxy.proxy import commands, events, layer
 from mitmproxy.proxy.context import Context
 from mitmproxy.proxy.layers import modes
 
-from proxy.refusals import UPSTREAM_REFUSED
+from proxy.reasons import UPSTREAM_REFUSED
 
 SUCCEEDED = 0
 GENERAL_FAILURE = 1

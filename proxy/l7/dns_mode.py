@@ -43,7 +43,8 @@ from mitmproxy.proxy import commands, events, layer, layers, mode_specs
 from mitmproxy.proxy.layers.dns import DnsRequestHook
 from mitmproxy.proxy.utils import expect
 
-from proxy.dns_answers import (
+from proxy.decide.vetting import Peer
+from proxy.dns.answers import (
     DNS_MALFORMED,
     DNS_NOT_A_QUERY,
     FORMERR,
@@ -55,8 +56,7 @@ from proxy.dns_answers import (
     DnsQuestion,
     DnsResponder,
 )
-from proxy.refusals import OVERLOAD
-from proxy.vetting import Peer
+from proxy.reasons import OVERLOAD
 
 if TYPE_CHECKING:
     from mitmproxy.connection import Client

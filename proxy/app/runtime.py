@@ -39,73 +39,27 @@ import platform
 import signal
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from importlib import metadata
 from typing import TYPE_CHECKING, TextIO
 
-from policy import Policy, PolicyError, compile_policy
-from policy.manifests import Format
-from proxy.admin import AdminServer, Readiness, format_listen
-from proxy.audit import AuditLog
-from proxy.config import Config
+from policy import Policy, PolicyError
+from proxy.app.inputs import Compiled, Inputs, compile_inputs
+from proxy.dataplane.frontdoor import FrontDoor
+from proxy.decide.vetting import Vetter
 from proxy.errors import ProxyError
-from proxy.frontdoor import FrontDoor
-from proxy.inputs import load_inputs, read_input, source_name
-from proxy.listen import Listener
-from proxy.metrics import Metrics
-from proxy.resolver import Resolver
+from proxy.net.resolver import Resolver
+from proxy.netaddr import Listener, format_listen
+from proxy.ops.admin import AdminServer, Readiness
+from proxy.ops.audit import AuditLog
+from proxy.ops.metrics import Metrics
+from proxy.settings import Config
 from proxy.terminal import printable
-from proxy.vetting import Vetter
 
 if TYPE_CHECKING:
-    from proxy.engine import Engine
+    from proxy.l7.engine import Engine
 
 # Upper bound of the SIGTERM drain: live connections get min(this, limits.idle_timeout).
 MAX_DRAIN_SECONDS = 5.0
-
-
-@dataclass(frozen=True, slots=True)
-class Inputs:
-    """What a policy is compiled from. The manifest is kept as the bytes read at start-up."""
-
-    manifest_bytes: bytes
-    manifest_source: str
-    manifest_format: Format | None
-    ceiling_path: str | None
-    config_path: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class Compiled:
-    policy: Policy
-    config: Config
-
-
-def read_inputs(
-    manifest: str,
-    *,
-    ceiling: str | None = None,
-    config: str | None = None,
-    format: Format | None = None,
-) -> Inputs:
-    for name, value in (("--ceiling", ceiling), ("--config", config)):
-        if value == "-":
-            # SIGHUP re-reads these files; standard input cannot be read twice.
-            raise PolicyError("usage", f"run: {name} must be a file (it is re-read on SIGHUP)")
-    return Inputs(read_input(manifest), source_name(manifest), format, ceiling, config)
-
-
-def compile_inputs(inputs: Inputs) -> Compiled:
-    """Read the config and ceiling files, parse the manifest and compile. Raises PolicyError
-    (invalid_manifest for a manifest that does not compile; other reasons for bad input)."""
-    manifest, ceiling, config = load_inputs(
-        inputs.manifest_bytes,
-        inputs.manifest_source,
-        format=inputs.manifest_format,
-        ceiling_path=inputs.ceiling_path,
-        config_path=inputs.config_path,
-    )
-    return Compiled(compile_policy(manifest, ceiling, config.operator), config)
 
 
 def _version() -> str:
@@ -248,7 +202,7 @@ class Runtime:
     def _new_engine(self) -> Engine:
         # Imported here: mitmproxy costs ~10 MB and a second of start-up, which a
         # passthrough-only session never pays.
-        from proxy.engine import Engine
+        from proxy.l7.engine import Engine
 
         assert self.resolver is not None
         self.engine = Engine(

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from proxy.clienthello import NOT_TLS as HELLO_NOT_TLS
-from proxy.clienthello import ClientHelloError, parse_client_hello
-from proxy.refusals import (
+from proxy.decide.clienthello import NOT_TLS as HELLO_NOT_TLS
+from proxy.decide.clienthello import ClientHelloError, parse_client_hello
+from proxy.decide.vetting import canonical_host
+from proxy.reasons import (
     INVALID_CLIENT_HELLO,
     NOT_TLS,
     SNI_MISMATCH,
@@ -22,7 +23,6 @@ from proxy.refusals import (
     Refused,
     shown,
 )
-from proxy.vetting import canonical_host
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,11 +6,20 @@ from __future__ import annotations
 import os
 import stat
 import sys
+from dataclasses import dataclass
 
-from policy import Ceiling, Manifest, PolicyError, load_ceiling, load_manifest
+from policy import (
+    Ceiling,
+    Manifest,
+    Policy,
+    PolicyError,
+    compile_policy,
+    load_ceiling,
+    load_manifest,
+)
 from policy.documents import MAX_DOCUMENT_BYTES, too_large
 from policy.manifests import Format
-from proxy.config import Config, load_config
+from proxy.app.config import Config, load_config
 
 
 def read_input(path: str) -> bytes:
@@ -70,3 +79,47 @@ def load_inputs(
             read_input(ceiling_path), source=source_name(ceiling_path), internal_suffixes=suffixes
         )
     return manifest, ceiling, config
+
+
+@dataclass(frozen=True, slots=True)
+class Inputs:
+    """What a policy is compiled from. The manifest is kept as the bytes read at start-up."""
+
+    manifest_bytes: bytes
+    manifest_source: str
+    manifest_format: Format | None
+    ceiling_path: str | None
+    config_path: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Compiled:
+    policy: Policy
+    config: Config
+
+
+def read_inputs(
+    manifest: str,
+    *,
+    ceiling: str | None = None,
+    config: str | None = None,
+    format: Format | None = None,
+) -> Inputs:
+    for name, value in (("--ceiling", ceiling), ("--config", config)):
+        if value == "-":
+            # SIGHUP re-reads these files; standard input cannot be read twice.
+            raise PolicyError("usage", f"run: {name} must be a file (it is re-read on SIGHUP)")
+    return Inputs(read_input(manifest), source_name(manifest), format, ceiling, config)
+
+
+def compile_inputs(inputs: Inputs) -> Compiled:
+    """Read the config and ceiling files, parse the manifest and compile. Raises PolicyError
+    (invalid_manifest for a manifest that does not compile; other reasons for bad input)."""
+    manifest, ceiling, config = load_inputs(
+        inputs.manifest_bytes,
+        inputs.manifest_source,
+        format=inputs.manifest_format,
+        ceiling_path=inputs.ceiling_path,
+        config_path=inputs.config_path,
+    )
+    return Compiled(compile_policy(manifest, ceiling, config.operator), config)

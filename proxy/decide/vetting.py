@@ -17,15 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 from policy import decisions as d
 from policy.hostnames import normalize_host, parse_ip_literal
-from proxy.audit import DecisionEvent
+from proxy.decide.events import DecisionEvent
 from proxy.errors import ProxyError
-from proxy.refusals import INSPECTION_UNSUPPORTED, Refused
+from proxy.reasons import INSPECTION_UNSUPPORTED, Refused
 
 if TYPE_CHECKING:
     from policy import AddressDecision, Decision, Policy
-    from proxy.audit import AuditLog
-    from proxy.metrics import Metrics
-    from proxy.resolver import Resolver
+    from proxy.decide.events import AuditSink, MetricsSink
+    from proxy.net.resolver import Resolver
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,8 +80,8 @@ class Vetter:
         self,
         policy: Policy,
         resolver: Resolver,
-        metrics: Metrics | None = None,
-        audit: AuditLog | None = None,
+        metrics: MetricsSink | None = None,
+        audit: AuditSink | None = None,
         *,
         plane: str,
     ) -> None:

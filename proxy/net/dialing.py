@@ -16,10 +16,10 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
-from proxy.refusals import UPSTREAM_REFUSED, UPSTREAM_TIMEOUT, authority, shown
+from proxy.reasons import UPSTREAM_REFUSED, UPSTREAM_TIMEOUT, authority, shown
 
 if TYPE_CHECKING:
-    from proxy.metrics import Metrics
+    from proxy.decide.events import MetricsSink
 
 
 class UpstreamError(OSError):
@@ -39,7 +39,7 @@ async def dial_checked[T](
     connect: Callable[[str, int], Awaitable[T]],
     *,
     timeout: float,
-    metrics: Metrics | None = None,
+    metrics: MetricsSink | None = None,
 ) -> T:
     """The first of `addresses` that connects; raises UpstreamError (upstream_timeout when every
     address timed out, else upstream_refused) naming each address and what happened."""

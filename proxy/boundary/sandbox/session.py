@@ -52,10 +52,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
-from proxy import nftrules, sandbox_net
-from proxy.admin import format_listen
-from proxy.sandbox_cli import Options
-from proxy.sandbox_net import AddressPlan, SandboxError, SessionNames
+from proxy.boundary import nftrules
+from proxy.boundary.sandbox import net as sandbox_net
+from proxy.boundary.sandbox.net import AddressPlan, SandboxError, SessionNames
+from proxy.boundary.sandbox.options import Options
+from proxy.netaddr import format_listen
 from proxy.terminal import printable
 
 # Exit statuses of the sandbox itself. COMMAND's own status is passed through unchanged, so a

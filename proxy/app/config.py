@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from policy import AddressRules, OperatorRules, PlatformDestination, PolicyError
@@ -20,11 +19,11 @@ from policy.findings import Finding, describe_type, quote, unknown_key_message
 from policy.hostnames import check_entry, parse_ip_literal
 from policy.urls import split_authority
 from proxy.errors import ProxyError
+from proxy.settings import DEFAULT_CA_DIR, Config, Limits, Nameserver
 
 _DURATION = re.compile(r"(?:(\d{1,6})h)?(?:(\d{1,6})m)?(?:(\d{1,6})s)?")
 # Far beyond any sane timeout, and small enough that no event loop or socket call overflows.
 MAX_DURATION = 7 * 24 * 3600.0
-DEFAULT_CA_DIR = "~/.local/share/egress-proxy/ca"
 
 _SCHEMA: dict[str, tuple[str, ...] | None] = {
     "dns": ("nameservers", "timeout"),
@@ -35,33 +34,6 @@ _SCHEMA: dict[str, tuple[str, ...] | None] = {
     "limits": ("connect_timeout", "idle_timeout", "header_timeout", "max_connections"),
     "internal_suffixes": None,
 }
-
-
-@dataclass(frozen=True, slots=True)
-class Nameserver:
-    address: str
-    port: int = 53
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    connect_timeout: float = 10.0
-    idle_timeout: float = 600.0
-    header_timeout: float = 10.0
-    max_connections: int = 1024
-
-
-@dataclass(frozen=True, slots=True)
-class Config:
-    operator: OperatorRules = field(default_factory=OperatorRules)
-    nameservers: tuple[Nameserver, ...] | None = None  # None: the system's resolv.conf
-    dns_timeout: float = 5.0
-    ca_dir: str = DEFAULT_CA_DIR
-    # PEM bundle that upstream certificates of inspected hosts are verified against; None:
-    # certifi's Mozilla bundle (mitmproxy's default).
-    upstream_ca: str | None = None
-    limits: Limits = field(default_factory=Limits)
-    source: str | None = None
 
 
 def parse_duration(text: Any) -> float:

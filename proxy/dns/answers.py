@@ -49,11 +49,11 @@ import dns.rdatatype
 from policy import PolicyError
 from policy import decisions as d
 from policy.hostnames import normalize_host
-from proxy.refusals import Refused, shown
+from proxy.reasons import Refused, shown
 
 if TYPE_CHECKING:
-    from proxy.metrics import Metrics
-    from proxy.vetting import Peer, Vetter
+    from proxy.decide.events import MetricsSink
+    from proxy.decide.vetting import Peer, Vetter
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ def is_answerable(qtype: int) -> bool:
 class DnsResponder:
     """Decides DNS queries with a Vetter (its policy and resolver are the ones a reload swaps)."""
 
-    def __init__(self, vetter: Vetter, metrics: Metrics | None = None) -> None:
+    def __init__(self, vetter: Vetter, metrics: MetricsSink | None = None) -> None:
         self.vetter = vetter
         self.metrics = metrics
 

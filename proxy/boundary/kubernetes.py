@@ -1,4 +1,5 @@
-"""`egress-proxy boundary apply|verify`: the two halves of the Kubernetes sidecar's activation
+"""The Kubernetes sidecar's boundary, `egress-proxy boundary apply|verify` (parsed in
+proxy/cli/boundary.py): the two halves of the Kubernetes sidecar's activation
 (DESIGN 6). `apply` (an init container with NET_ADMIN) loads the pod rule set and reads it back;
 `verify` (an init container running as the agent's UID, after the proxy is ready) tries every
 way out and fails the pod if one works.
@@ -11,7 +12,6 @@ failed probe is named), 2 bad input.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import json
 import os
 import sys
@@ -30,138 +30,8 @@ DEFAULT_DENIED_NAME = "egress-boundary-probe.invalid"
 UDP_PROBE_PORT = 443
 
 
-def _port(text: str) -> int:
-    if not text.isdigit() or not 1 <= int(text) <= 65535:
-        raise argparse.ArgumentTypeError(f"{text[:20]!r} is not a port number (1 to 65535)")
-    return int(text)
-
-
-def _uid(text: str) -> int:
-    if not text.isdigit() or not 0 < int(text) < 2**32 - 1:
-        raise argparse.ArgumentTypeError(f"{text[:20]!r} is not a non-root UID")
-    return int(text)
-
-
-def _address(version: int, allow_none: bool = False) -> Any:
-    def parse(text: str) -> str | None:
-        if allow_none and text == "none":
-            return None
-        try:
-            address = ipaddress.ip_address(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text[:60]!r} is not an IP address") from None
-        if address.version != version:
-            raise argparse.ArgumentTypeError(f"{text[:60]!r} is not an IPv{version} address")
-        return str(address)
-
-    return parse
-
-
-def add_boundary_parser(sub: Any) -> None:
-    boundary = sub.add_parser(
-        "boundary", help="apply or verify the nftables boundary of a pod (Kubernetes sidecar)"
-    )
-    actions = boundary.add_subparsers(dest="boundary_command", required=True)
-    apply = actions.add_parser(
-        "apply", help="render the pod's nftables rules, load them and read them back"
-    )
-    source = apply.add_mutually_exclusive_group(required=True)
-    source.add_argument(
-        "--proxy-uid", type=_uid, metavar="UID", help="the proxy's UID (exempt from the rules)"
-    )
-    source.add_argument(
-        "--ruleset",
-        metavar="FILE",
-        help="load this rule set (as --print writes it) instead of rendering one",
-    )
-    apply.add_argument(
-        "--transparent-port",
-        type=_port,
-        metavar="PORT",
-        help="where every other TCP connection is redirected (the proxy's transparent listener)",
-    )
-    apply.add_argument(
-        "--dns-port",
-        type=_port,
-        metavar="PORT",
-        help="where DNS (port 53, UDP and TCP) is redirected (the proxy's --dns-listen)",
-    )
-    apply.add_argument(
-        "--explicit-port",
-        type=_port,
-        metavar="PORT",
-        help="the explicit proxy port on loopback (not redirected: HTTPS_PROXY works)",
-    )
-    apply.add_argument(
-        "--admin-port",
-        type=_port,
-        metavar="PORT",
-        help="the proxy's admin port: open to inbound connections (kubelet probes)",
-    )
-    apply.add_argument(
-        "--table",
-        default="egress_boundary",
-        metavar="NAME",
-        help="the nftables table (inet family) to replace (default egress_boundary)",
-    )
-    apply.add_argument(
-        "--print", action="store_true", help="print the rule set and load nothing (no root needed)"
-    )
-    verify = actions.add_parser(
-        "verify", help="probe the boundary as the agent's user; exit 1 if any way out works"
-    )
-    verify.add_argument(
-        "--proxy-port",
-        type=_port,
-        metavar="PORT",
-        help="the explicit proxy port on 127.0.0.1: must answer too",
-    )
-    verify.add_argument(
-        "--probe-v4",
-        type=_address(4),
-        default=DEFAULT_PROBE_V4,
-        metavar="ADDR",
-        help=f"IPv4 address to probe (default {DEFAULT_PROBE_V4}, documentation range)",
-    )
-    verify.add_argument(
-        "--probe-v6",
-        type=_address(6, allow_none=True),
-        default=DEFAULT_PROBE_V6,
-        metavar="ADDR",
-        help=f"IPv6 address to probe (default {DEFAULT_PROBE_V6}); 'none' on an IPv4-only pod",
-    )
-    verify.add_argument(
-        "--probe-port",
-        type=_port,
-        action="append",
-        metavar="PORT",
-        help="TCP port to probe on each address; repeatable (default 80 and 443)",
-    )
-    verify.add_argument(
-        "--denied-name",
-        default=DEFAULT_DENIED_NAME,
-        metavar="NAME",
-        help="a name outside the policy: a DNS query for it must be refused",
-    )
-    verify.add_argument(
-        "--timeout", type=float, default=5.0, metavar="SECONDS", help="per probe (default 5)"
-    )
-    verify.add_argument(
-        "--as-user",
-        metavar="UID:GID",
-        help="drop to this user first (needs root); without it verify refuses to run as root",
-    )
-    verify.add_argument("--json", action="store_true", help="machine-readable output")
-
-
-def cmd_boundary(args: argparse.Namespace, out: TextIO) -> int:
-    if args.boundary_command == "apply":
-        return _apply(args, out)
-    return _verify(args, out)
-
-
-def _apply(args: argparse.Namespace, out: TextIO) -> int:
-    from proxy import nftrules
+def apply(args: argparse.Namespace, out: TextIO) -> int:
+    from proxy.boundary import nftrules
 
     if args.ruleset is not None:
         given = [
@@ -174,7 +44,7 @@ def _apply(args: argparse.Namespace, out: TextIO) -> int:
                 "usage",
                 f"boundary apply: --ruleset takes no --{given[0].replace('_', '-')}",
             )
-        from proxy.inputs import read_input
+        from proxy.app.inputs import read_input
 
         try:
             text = read_input(args.ruleset).decode("utf-8")
@@ -220,11 +90,11 @@ def _apply(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
-def _verify(args: argparse.Namespace, out: TextIO) -> int:
+def verify(args: argparse.Namespace, out: TextIO) -> int:
     import dns.exception
     import dns.name
 
-    from proxy import probes
+    from proxy.boundary import probes
 
     # Privileges go first: not one probe runs as root by mistake.
     if args.as_user is not None:
@@ -279,7 +149,7 @@ def verify_spec(
     """The probes `boundary verify` runs: TCP to each probe address (must reach the proxy),
     UDP and ICMP to each (must be refused locally), a DNS query for a denied name sent to the
     IPv4 probe address (redirected: must be refused), and the explicit proxy port if given."""
-    from proxy.probes import DnsProbe, IcmpProbe, ProbeSpec, TcpProbe, UdpProbe
+    from proxy.boundary.probes import DnsProbe, IcmpProbe, ProbeSpec, TcpProbe, UdpProbe
 
     families = [("v4", probe_v4)] + ([("v6", probe_v6)] if probe_v6 is not None else [])
     tcp = [

@@ -34,7 +34,7 @@ from policy import PolicyError, normalize_host
 from proxy.errors import ProxyError
 
 if TYPE_CHECKING:
-    from proxy.config import Config
+    from proxy.settings import Config
 
 DEFAULT_CACHE_CAP = 300.0
 DEFAULT_NEGATIVE_TTL = 30.0

@@ -1,20 +1,12 @@
-"""The `egress-proxy` command line. Its options, output and exit codes are a contract that
-scripts outside this repo rely on.
-
-Exit codes: 0 success, 1 findings (check) or a manifest that cannot be compiled, 2 unreadable
-or unparsable input or a usage error, 70 an internal error (a bug: reported without a
-traceback).
-"""
+"""`egress-proxy check`, `explain` and `classify`: the policy core on the command line, no
+network."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import re
-import sys
 from collections.abc import Sequence
-from typing import Any, NoReturn, TextIO
+from typing import Any, TextIO
 
 from policy import (
     Ceiling,
@@ -30,25 +22,13 @@ from policy import (
 from policy.hostnames import normalize_host, parse_ip_literal
 from policy.manifests import FORMATS
 from policy.urls import parse_target
-from proxy.boundary import add_boundary_parser, cmd_boundary
-from proxy.config import Config, load_config
-from proxy.inputs import load_inputs, read_input, source_name
-from proxy.sandbox_cli import add_sandbox_parser, cmd_sandbox
+from proxy.app.config import Config, load_config
+from proxy.app.inputs import load_inputs, read_input, source_name
+from proxy.cli.output import EXIT_FINDINGS, EXIT_OK, MAX_TABLE_ROWS, more, print_json, table
 from proxy.terminal import printable
 
-EXIT_OK, EXIT_FINDINGS, EXIT_INPUT, EXIT_INTERNAL = 0, 1, 2, 70
 
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.print_usage(sys.stderr)
-        self.exit(EXIT_INPUT, f"{self.prog}: error: {message}\n")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="egress-proxy", description="Session-scoped egress enforcement proxy.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-
+def add_check_parsers(sub: Any) -> None:
     def inputs(p: argparse.ArgumentParser, manifest: bool = True) -> None:
         if manifest:
             p.add_argument(
@@ -79,50 +59,6 @@ def build_parser() -> argparse.ArgumentParser:
     classify_p = sub.add_parser("classify", help="classify IP addresses")
     inputs(classify_p, manifest=False)
     classify_p.add_argument("addresses", nargs="+", metavar="ADDRESS")
-    run = sub.add_parser("run", help="run the session proxy (SIGTERM drains, SIGHUP reloads)")
-    run.add_argument("manifest", metavar="MANIFEST", help="agent.yaml or agent.toml ('-': stdin)")
-    run.add_argument(
-        "--ceiling", metavar="FILE", help="the tenant ceiling (YAML or JSON; re-read on SIGHUP)"
-    )
-    run.add_argument("--format", choices=FORMATS, help="override format detection")
-    run.add_argument(
-        "--config", metavar="FILE", help="operator config (YAML or JSON; re-read on SIGHUP)"
-    )
-    run.add_argument(
-        "--listen",
-        metavar="[SCHEME://]HOST:PORT",
-        action="append",
-        help="proxy listener; repeat for several; SCHEME http (default), socks5 or transparent "
-        "(connections redirected to it by netfilter) (default: 127.0.0.1:3128)",
-    )
-    run.add_argument(
-        "--dns-listen",
-        metavar="HOST:PORT",
-        action="append",
-        help="DNS responder (UDP and TCP) answering A/AAAA for the names the policy allows, "
-        "REFUSED for the others, never forwarding; repeat for several",
-    )
-    run.add_argument(
-        "--admin", metavar="HOST:PORT", default="127.0.0.1:9901", help="/healthz /readyz /metrics"
-    )
-    run.add_argument(
-        "--mode",
-        choices=("explicit", "transparent"),
-        default="explicit",
-        help="explicit: clients name the proxy (HTTP, SOCKS5); transparent: every --listen "
-        "without a scheme is transparent://, serving connections redirected to it by netfilter, "
-        "decided on their SNI or Host header",
-    )
-    run.add_argument(
-        "--engine-only",
-        action="store_true",
-        help="serve every connection with the L7 engine (no fast path); for comparisons",
-    )
-    run.add_argument("--session-id", metavar="ID", help="session id written on every audit line")
-    run.add_argument("--audit-log", metavar="FILE", help="append audit lines here (default stdout)")
-    add_boundary_parser(sub)
-    add_sandbox_parser(sub)
-    return parser
 
 
 def _load_config(args: argparse.Namespace) -> Config:
@@ -155,29 +91,6 @@ def _load_inputs(args: argparse.Namespace) -> tuple[Manifest, Ceiling | None, Co
     )
 
 
-def _print_json(value: Any, out: TextIO) -> None:
-    out.write(json.dumps(value, indent=2, ensure_ascii=False) + "\n")
-
-
-# A person reads the tables; a hostile or generated document can hold a million findings or
-# rules, which `--json` still lists in full.
-MAX_TABLE_ROWS = 1000
-
-
-def _more(items: Sequence[Any], what: str, out: TextIO) -> None:
-    if len(items) > MAX_TABLE_ROWS:
-        hidden = len(items) - MAX_TABLE_ROWS
-        out.write(f"  … and {hidden} more {what} (--json lists them all)\n")
-
-
-def _table(rows: Sequence[Sequence[str]], out: TextIO, indent: str = "  ") -> None:
-    rows = [[printable(cell) for cell in row] for row in rows]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
-    for row in rows:
-        cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
-        out.write(indent + "  ".join([*cells, row[-1]]).rstrip() + "\n")
-
-
 # -- check ---------------------------------------------------------------------------------
 
 
@@ -200,7 +113,7 @@ def cmd_check(args: argparse.Namespace, out: TextIO) -> int:
     findings = sorted(found, key=_document_order)
     ok = not any(f.is_error for f in findings)
     if args.json:
-        _print_json(
+        print_json(
             {
                 "ok": ok,
                 "format": manifest.format,
@@ -220,15 +133,15 @@ def cmd_check(args: argparse.Namespace, out: TextIO) -> int:
     )
     if findings:
         out.write("findings:\n")
-        _table(
+        table(
             [("SEVERITY", "PATH", "REASON", "MESSAGE")]
             + [(f.severity, f.path, f.reason, f.message) for f in findings[:MAX_TABLE_ROWS]],
             out,
         )
-        _more(findings, "findings", out)
+        more(findings, "findings", out)
     if rules:
         out.write("effective rules:\n")
-        _table(
+        table(
             [("ACTION", "KIND", "HOST", "RULE", "CEILING")]
             + [
                 (r["action"], r["kind"], _rule_target(r), r["rule"], r.get("ceiling") or "-")
@@ -236,7 +149,7 @@ def cmd_check(args: argparse.Namespace, out: TextIO) -> int:
             ],
             out,
         )
-        _more(rules, "rules", out)
+        more(rules, "rules", out)
     elif manifest.ok:
         out.write("effective rules: none (every destination but platform routes is refused)\n")
     return EXIT_OK if ok else EXIT_FINDINGS
@@ -311,7 +224,7 @@ def cmd_explain(args: argparse.Namespace, out: TextIO) -> int:
     policy = compile_policy(manifest, ceiling, config.operator)
     results = [explain_target(policy, t, resolved) for t in args.targets]
     if args.json:
-        _print_json(results, out)
+        print_json(results, out)
         return EXIT_OK
     rows = [("DECISION", "TARGET", "STAGE", "REASON", "RULE", "WHY")]
     for r in results:
@@ -321,7 +234,7 @@ def cmd_explain(args: argparse.Namespace, out: TextIO) -> int:
         rows.append(
             (decision, r["target"], r["stage"], r["reason"], r["rule"] or "-", r["message"])
         )
-    _table(rows, out, indent="")
+    table(rows, out, indent="")
     return EXIT_OK
 
 
@@ -343,7 +256,7 @@ def cmd_classify(args: argparse.Namespace, out: TextIO) -> int:
         for a, v in zip(args.addresses, verdicts, strict=True)
     ]
     if args.json:
-        _print_json(results, out)
+        print_json(results, out)
         return EXIT_OK
     rows = [("ADDRESS", "PUBLIC", "REASON", "RANGE", "WHAT")]
     for r in results:
@@ -351,124 +264,8 @@ def cmd_classify(args: argparse.Namespace, out: TextIO) -> int:
         rows.append(
             (r["address"], "yes" if r["public"] else "no", r["reason"], r["range"] or "-", what)
         )
-    _table(rows, out, indent="")
+    table(rows, out, indent="")
     return EXIT_OK
 
 
 # -- run -----------------------------------------------------------------------------------
-
-
-def cmd_run(args: argparse.Namespace, out: TextIO) -> int:
-    # Imported here: check, explain and classify never load mitmproxy.
-    from proxy import runtime
-    from proxy.admin import parse_listen
-    from proxy.listen import check_listeners, parse_dns_listener, parse_listener
-
-    # `--mode transparent` is sugar: a listener written without a scheme is transparent.
-    bare = "transparent" if args.mode == "transparent" else "http"
-    listen = [parse_listener(text, bare=bare) for text in args.listen or ["127.0.0.1:3128"]]
-    dns_listen = [parse_dns_listener(text) for text in args.dns_listen or []]
-    check_listeners([*listen, *dns_listen], engine_only=args.engine_only)
-    if args.engine_only and any(x.scheme == "transparent" for x in listen):
-        # The engine alone has no SNI gate for redirected TLS: the front door decides it.
-        raise PolicyError(
-            "usage", "run: --engine-only serves explicit listeners only (http://, socks5://)"
-        )
-    admin = parse_listen(args.admin)
-    # Everything is read and compiled before anything listens: a problem exits here.
-    inputs = runtime.read_inputs(
-        args.manifest, ceiling=args.ceiling, config=args.config, format=args.format
-    )
-    compiled = runtime.compile_inputs(inputs)
-    return runtime.run(
-        inputs,
-        compiled,
-        listen=listen,
-        admin=admin,
-        session_id=args.session_id,
-        audit_log=args.audit_log,
-        engine_only=args.engine_only,
-        dns_listen=dns_listen,
-    )
-
-
-COMMANDS = {"check": cmd_check, "explain": cmd_explain, "classify": cmd_classify, "run": cmd_run}
-COMMANDS["boundary"] = cmd_boundary
-COMMANDS["sandbox"] = cmd_sandbox
-
-
-_HEADLINES = {
-    "invalid_manifest": "invalid manifest",
-    "invalid_ceiling": "invalid ceiling",
-    "invalid_config": "invalid config",
-}
-
-
-def _report(exc: PolicyError, args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
-    if exc.details:
-        # The exception's own message lists only the first few problems, run together; a
-        # person fixing the file wants every one, one per line.
-        where = f"{exc.source}: " if exc.source else ""
-        headline = _HEADLINES.get(exc.reason, exc.reason.replace("_", " "))
-        count = len(exc.details)
-        err.write(printable(f"egress-proxy: {where}{headline}, {count} problem(s):") + "\n")
-        for detail in exc.details[:MAX_TABLE_ROWS]:
-            err.write(printable(f"  {detail.path}: {detail.message}") + "\n")
-        _more(exc.details, "problems", err)
-    else:
-        err.write(printable(f"egress-proxy: {exc}") + "\n")
-    if getattr(args, "json", False):
-        _print_json(
-            {
-                "ok": False,
-                "error": {
-                    "reason": exc.reason,
-                    "message": exc.message,
-                    "file": exc.source,
-                    "line": exc.line,
-                    "column": exc.column,
-                    "details": [d.to_json() for d in exc.details],
-                },
-            },
-            out,
-        )
-
-
-def main(
-    argv: Sequence[str] | None = None, out: TextIO | None = None, err: TextIO | None = None
-) -> int:
-    """Run one command; returns the exit code (usage errors too, so callers in-process need
-    not catch SystemExit). `out` and `err` default to the process's stdout and stderr."""
-    out = out or sys.stdout
-    err = err or sys.stderr
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exc:  # argparse: --help (0) or a usage error (2), already printed
-        return exc.code if isinstance(exc.code, int) else EXIT_INPUT
-    try:
-        return COMMANDS[args.command](args, out)
-    except PolicyError as exc:
-        _report(exc, args, out, err)
-        # A manifest that parses but does not compile is a findings problem, not bad input.
-        return EXIT_FINDINGS if exc.reason == "invalid_manifest" else EXIT_INPUT
-    except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:
-        if out is sys.stdout:
-            # The reader went away (`| head`): stop Python's exit-time flush from failing again
-            # and printing a traceback-like "Exception ignored" to stderr.
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_OK
-    except Exception as exc:
-        err.write(
-            printable(
-                f"egress-proxy: internal error ({type(exc).__name__}: {str(exc)[:200]}); "
-                "please report it with the input that caused it"
-            )
-            + "\n"
-        )
-        return EXIT_INTERNAL
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -22,9 +22,6 @@ Behaviour, hardened for clients that are slow, large or malformed:
   `Allow: GET, HEAD`. A query string is ignored; absolute-form targets (`http://h/healthz`) are
   accepted as RFC 9112 asks. `Host` is not required: nothing here depends on it.
 
-`parse_listen` reads the `HOST:PORT` of `--admin` and `--listen`: IP literals only (plus
-`localhost`, taken as 127.0.0.1 without asking anything), because the proxy never lets the OS
-resolve a name.
 """
 
 from __future__ import annotations
@@ -40,13 +37,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.errors import ProxyError
+from proxy.netaddr import format_listen
+from proxy.terminal import one_line
 
 __all__ = [
     "CONDITIONS",
     "AdminServer",
     "Readiness",
-    "format_listen",
-    "parse_listen",
 ]
 
 logger = logging.getLogger(__name__)
@@ -86,13 +83,6 @@ _READY_WHEN = {"policy_compiled": True, "listeners_bound": True, "boundary_verif
 _MAX_DETAIL = 200
 
 
-def _one_line(text: str, limit: int) -> str:
-    # Details end up in an HTTP body that promises one line per condition: no control
-    # characters, bounded length.
-    cleaned = "".join(ch if ch.isprintable() else "?" for ch in text[: limit + 1])
-    return cleaned if len(cleaned) <= limit else cleaned[: limit - 1] + "…"
-
-
 class Readiness:
     """The conditions `/readyz` reports, updated by the proxy as it starts, reloads and drains.
 
@@ -112,7 +102,7 @@ class Readiness:
                 f"unknown readiness condition {name!r}; known: {', '.join(CONDITIONS)}"
             )
         self._values[name] = bool(ok)
-        self._details[name] = _one_line(detail, _MAX_DETAIL)
+        self._details[name] = one_line(detail, _MAX_DETAIL)
 
     def get(self, name: str) -> bool:
         return self._values[name]
@@ -127,72 +117,6 @@ class Readiness:
                     line += f" ({self._details[name]})"
                 unmet.append(line)
         return not unmet, unmet
-
-
-# --------------------------------------------------------------------------------------------
-# HOST:PORT
-
-
-_PORT = re.compile(r"[0-9]{1,5}")
-_MAX_LISTEN_TEXT = 300
-
-
-def parse_listen(text: str) -> tuple[str, int]:
-    """`HOST:PORT`, `[IPV6]:PORT` or `:PORT` (meaning 127.0.0.1) → (host, port), host in its
-    canonical IP spelling. HOST is an IPv4 literal in dotted-quad form, a bracketed IPv6 literal
-    (no zone id) or `localhost` (mapped to 127.0.0.1 here, never looked up). Other names are
-    refused: the proxy must never ask the OS to resolve one. PORT is decimal 0 to 65535; 0 asks
-    for an ephemeral port (the caller reports the one bound). Schemes (`http://`) are the
-    caller's to strip. Anything else → ProxyError('invalid_listen')."""
-    if not isinstance(text, str):
-        raise ProxyError(
-            "invalid_listen", f"listen address must be text, not {type(text).__name__}"
-        )
-    shown = repr(_one_line(text, 100))
-
-    def refuse(why: str) -> ProxyError:
-        return ProxyError("invalid_listen", f"invalid listen address {shown}: {why}")
-
-    if len(text) > _MAX_LISTEN_TEXT:
-        raise refuse("too long")
-    if "://" in text:
-        raise refuse("no scheme here; write HOST:PORT")
-    if text.startswith("["):
-        close = text.find("]")
-        if close < 0 or text[close + 1 : close + 2] != ":":
-            raise refuse("write an IPv6 address as [ADDRESS]:PORT")
-        host_text, port_text = text[1:close], text[close + 2 :]
-        if "%" in host_text:
-            raise refuse("IPv6 zone ids are not supported")
-        try:
-            host = str(ipaddress.IPv6Address(host_text))
-        except ValueError:
-            raise refuse(f"{host_text!r} is not an IPv6 address") from None
-    else:
-        if text.count(":") != 1:
-            if text.count(":") > 1:
-                raise refuse("write an IPv6 address in brackets: [ADDRESS]:PORT")
-            raise refuse("expected HOST:PORT (or :PORT for 127.0.0.1)")
-        host_text, port_text = text.split(":")
-        if host_text in ("", "localhost"):
-            host = "127.0.0.1"
-        else:
-            try:
-                # Strict dotted quad: `127.1`, `0x7f.0.0.1` and leading zeros are refused.
-                host = str(ipaddress.IPv4Address(host_text))
-            except ValueError:
-                raise refuse(
-                    f"{host_text!r} is not an IP address (names other than localhost are not "
-                    "resolved)"
-                ) from None
-    if not _PORT.fullmatch(port_text) or int(port_text) > 65535:
-        raise refuse(f"port {port_text!r} is not a number from 0 to 65535")
-    return host, int(port_text)
-
-
-def format_listen(host: str, port: int) -> str:
-    """The inverse of parse_listen, for messages: IPv6 hosts in brackets."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 # --------------------------------------------------------------------------------------------

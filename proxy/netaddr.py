@@ -1,0 +1,144 @@
+"""Addresses the proxy listens on. `parse_listen` reads the `HOST:PORT` of `--admin` and
+`--listen`: IP literals only (plus `localhost`, taken as 127.0.0.1 without asking anything),
+because the proxy never lets the OS resolve a name.
+
+Proxy listeners as `--listen` writes them: `HOST:PORT` (an HTTP proxy), `http://HOST:PORT`,
+`socks5://HOST:PORT` or `transparent://HOST:PORT`; and the DNS listeners of `--dns-listen
+HOST:PORT`. Several may be given; each serves the same policy."""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass
+
+from proxy.errors import ProxyError
+from proxy.terminal import one_line
+
+SCHEMES = ("http", "socks5", "transparent")
+
+
+@dataclass(frozen=True, slots=True)
+class Listener:
+    # "http" (explicit HTTP proxy: CONNECT and plain HTTP), "socks5", "transparent"
+    # (connections redirected to it by netfilter), or "dns" (the DNS responder, UDP and TCP on
+    # one port; `--dns-listen`, never a `--listen` scheme).
+    scheme: str
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.scheme}://{format_listen(self.host, self.port)}"
+
+
+def parse_listener(text: str, *, bare: str = "http") -> Listener:
+    """`[SCHEME://]HOST:PORT` → Listener; a bare address gets the scheme `bare` (an HTTP
+    proxy, or "transparent" under `--mode transparent`). Raises ProxyError('invalid_listen')."""
+    scheme, sep, rest = text.partition("://") if isinstance(text, str) else ("", "", text)
+    if not sep:
+        scheme, rest = bare, text
+    elif scheme.lower() not in SCHEMES:
+        raise ProxyError(
+            "invalid_listen",
+            f"invalid listen address {text[:100]!r}: scheme {scheme[:20]!r} is not one of "
+            + ", ".join(f"{s}://" for s in SCHEMES),
+        )
+    host, port = parse_listen(rest)
+    return Listener(scheme.lower(), host, port)
+
+
+def parse_dns_listener(text: str) -> Listener:
+    """`HOST:PORT` of `--dns-listen` → Listener("dns", ...). Raises ProxyError('invalid_listen')."""
+    if isinstance(text, str) and "://" in text:
+        raise ProxyError(
+            "invalid_listen",
+            f"invalid DNS listen address {text[:100]!r}: write HOST:PORT (it serves UDP and TCP)",
+        )
+    host, port = parse_listen(text)
+    return Listener("dns", host, port)
+
+
+def check_listeners(listeners: list[Listener], *, engine_only: bool = False) -> None:
+    """Two listeners on one address would fail to bind later, less clearly. A DNS listener
+    takes its port for TCP too, so it clashes with a proxy listener on the same address. Port
+    0 picks a free port for each listener, except that mitmproxy refuses port 0 twice on one
+    host: it serves the DNS listeners, and with `--engine-only` every listener."""
+    seen: dict[tuple[str, int], Listener] = {}
+    for listener in listeners:
+        in_engine = engine_only or listener.scheme == "dns"
+        if not listener.port and not in_engine:
+            continue
+        key = (listener.host, listener.port)
+        if key in seen:
+            raise ProxyError(
+                "invalid_listen",
+                f"{listener} and {seen[key]} use the same address"
+                + (" (give each its own port)" if not listener.port else ""),
+            )
+        seen[key] = listener
+
+
+# --------------------------------------------------------------------------------------------
+# HOST:PORT
+
+
+_PORT = re.compile(r"[0-9]{1,5}")
+_MAX_LISTEN_TEXT = 300
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """`HOST:PORT`, `[IPV6]:PORT` or `:PORT` (meaning 127.0.0.1) → (host, port), host in its
+    canonical IP spelling. HOST is an IPv4 literal in dotted-quad form, a bracketed IPv6 literal
+    (no zone id) or `localhost` (mapped to 127.0.0.1 here, never looked up). Other names are
+    refused: the proxy must never ask the OS to resolve one. PORT is decimal 0 to 65535; 0 asks
+    for an ephemeral port (the caller reports the one bound). Schemes (`http://`) are the
+    caller's to strip. Anything else → ProxyError('invalid_listen')."""
+    if not isinstance(text, str):
+        raise ProxyError(
+            "invalid_listen", f"listen address must be text, not {type(text).__name__}"
+        )
+    shown = repr(one_line(text, 100))
+
+    def refuse(why: str) -> ProxyError:
+        return ProxyError("invalid_listen", f"invalid listen address {shown}: {why}")
+
+    if len(text) > _MAX_LISTEN_TEXT:
+        raise refuse("too long")
+    if "://" in text:
+        raise refuse("no scheme here; write HOST:PORT")
+    if text.startswith("["):
+        close = text.find("]")
+        if close < 0 or text[close + 1 : close + 2] != ":":
+            raise refuse("write an IPv6 address as [ADDRESS]:PORT")
+        host_text, port_text = text[1:close], text[close + 2 :]
+        if "%" in host_text:
+            raise refuse("IPv6 zone ids are not supported")
+        try:
+            host = str(ipaddress.IPv6Address(host_text))
+        except ValueError:
+            raise refuse(f"{host_text!r} is not an IPv6 address") from None
+    else:
+        if text.count(":") != 1:
+            if text.count(":") > 1:
+                raise refuse("write an IPv6 address in brackets: [ADDRESS]:PORT")
+            raise refuse("expected HOST:PORT (or :PORT for 127.0.0.1)")
+        host_text, port_text = text.split(":")
+        if host_text in ("", "localhost"):
+            host = "127.0.0.1"
+        else:
+            try:
+                # Strict dotted quad: `127.1`, `0x7f.0.0.1` and leading zeros are refused.
+                host = str(ipaddress.IPv4Address(host_text))
+            except ValueError:
+                raise refuse(
+                    f"{host_text!r} is not an IP address (names other than localhost are not "
+                    "resolved)"
+                ) from None
+    if not _PORT.fullmatch(port_text) or int(port_text) > 65535:
+        raise refuse(f"port {port_text!r} is not a number from 0 to 65535")
+    return host, int(port_text)
+
+
+def format_listen(host: str, port: int) -> str:
+    """The inverse of parse_listen, for messages: IPv6 hosts in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -1,0 +1,37 @@
+"""The operator's settings as the runtime reads them: plain values, built by the config loader
+(proxy/app/config.py) and passed down to every plane. Nothing here reads a file."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from policy import OperatorRules
+
+DEFAULT_CA_DIR = "~/.local/share/egress-proxy/ca"
+
+
+@dataclass(frozen=True, slots=True)
+class Nameserver:
+    address: str
+    port: int = 53
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    connect_timeout: float = 10.0
+    idle_timeout: float = 600.0
+    header_timeout: float = 10.0
+    max_connections: int = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    operator: OperatorRules = field(default_factory=OperatorRules)
+    nameservers: tuple[Nameserver, ...] | None = None  # None: the system's resolv.conf
+    dns_timeout: float = 5.0
+    ca_dir: str = DEFAULT_CA_DIR
+    # PEM bundle that upstream certificates of inspected hosts are verified against; None:
+    # certifi's Mozilla bundle (mitmproxy's default).
+    upstream_ca: str | None = None
+    limits: Limits = field(default_factory=Limits)
+    source: str | None = None
