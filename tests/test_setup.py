@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 FIND = Path(__file__).resolve().parents[1] / "scripts" / "find-python"
@@ -50,3 +51,24 @@ def test_says_what_is_missing_when_there_is_none(tmp_path: Path) -> None:
     result = run(env)
     assert result.returncode == 1
     assert "needs Python >= 3.12" in result.stderr and "PYTHON=" in result.stderr
+
+
+def test_the_wheel_holds_every_package_of_the_tree(tmp_path: Path) -> None:
+    """A non-editable install (the container image's `pip install .`) gets what the wheel holds:
+    every package directory under policy/ and proxy/ must be in it, with all its modules."""
+    root = FIND.parents[1]
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path), str(root)],
+        check=True, capture_output=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    (wheel,) = tmp_path.glob("egress_proxy-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        packed = {name for name in archive.namelist() if name.endswith(".py")}
+    expected = {
+        str(path.relative_to(root))
+        for package in ("policy", "proxy")
+        for path in (root / package).rglob("*.py")
+    }
+    assert expected - packed == set()
+    assert any(name.startswith("proxy/dataplane/") for name in packed)

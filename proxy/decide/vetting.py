@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from policy import decisions as d
 from policy.hostnames import normalize_host, parse_ip_literal
@@ -24,7 +24,23 @@ from proxy.reasons import INSPECTION_UNSUPPORTED, Refused
 if TYPE_CHECKING:
     from policy import AddressDecision, Decision, Policy
     from proxy.decide.events import AuditSink, MetricsSink
-    from proxy.net.resolver import Resolver
+
+
+class Answer(Protocol):
+    """A checked-for-nothing DNS answer, as the resolver gives it."""
+
+    @property
+    def addresses(self) -> Sequence[str]: ...
+
+    @property
+    def cname_chain(self) -> Sequence[str]: ...
+
+
+class Resolves(Protocol):
+    """What the Vetter needs of the resolver (proxy.net.resolver.Resolver): one answer per
+    name, or ProxyError with a DNS reason code."""
+
+    async def resolve(self, host: str) -> Answer: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +95,7 @@ class Vetter:
     def __init__(
         self,
         policy: Policy,
-        resolver: Resolver,
+        resolver: Resolves,
         metrics: MetricsSink | None = None,
         audit: AuditSink | None = None,
         *,
