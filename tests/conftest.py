@@ -6,11 +6,12 @@ tests start alike."""
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import os
 import socket
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from dns_server import DNSServer, running_dns_server
@@ -59,3 +60,18 @@ def dns() -> Iterator[DNSServer]:
     names preset override this fixture and ask for it by the same name."""
     with running_dns_server() as server:
         yield server
+
+
+# The data plane's in-process tests run on asyncio's own loop and on uvloop's (the one
+# `egress-proxy run` uses): the two loops' transports differ in the details a relay relies on.
+BOTH_LOOPS = frozenset({"test_relay.py", "test_frontdoor.py", "test_dataplane_http.py"})
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    if item.path.name in BOTH_LOOPS:
+        import uvloop
+
+        return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+    return {"asyncio": asyncio.new_event_loop}

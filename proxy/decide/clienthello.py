@@ -148,13 +148,14 @@ def starts_like_tls(data: bytes) -> bool:
     return bool(data) and _record_header_problem(data[:3]) is None
 
 
-def parse_client_hello(data: bytes) -> ClientHello | None:
+def parse_client_hello(data: bytes | bytearray) -> ClientHello | None:
     """The ClientHello at the start of `data`, the bytes a client sent so far on a tunnel.
 
     Returns None while the hello is incomplete (it may be split across reads and across several
     records); raises ClientHelloError as soon as the bytes so far cannot be the start of a
     well-formed ClientHello. Call it again with all the bytes once more have arrived.
     """
+    data = bytes(data)
     size = len(data)
     fragments: list[bytes] = []
     head = b""  # the first handshake bytes (type and length), up to 4

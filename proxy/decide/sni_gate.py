@@ -31,7 +31,9 @@ class GateOutcome:
     refused: Refused | None  # None: the tunnel may carry these bytes on
 
 
-def check_hello(data: bytes, host: str, *, what: str = "CONNECT host") -> GateOutcome | None:
+def check_hello(
+    data: bytes | bytearray, host: str, *, what: str = "CONNECT host"
+) -> GateOutcome | None:
     """The gate on the bytes received so far; None while the ClientHello is incomplete.
     `host` is the tunnel's host as the policy decided it (canonical spelling)."""
     try:

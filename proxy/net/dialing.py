@@ -1,20 +1,18 @@
-"""Dialling the checked addresses of one decision, for both planes (DESIGN 3.5): in answer
+"""Dialling the checked addresses of one decision, for every plane (DESIGN 3.5): in answer
 order, each with the connect timeout, falling back to the next on failure; never a fresh
-resolution. How one address is connected is the caller's (`connect`): asyncio streams in the
-engine, a raw non-blocking socket in the fast path.
+resolution. How one address is connected is the caller's (`connect`): a transport with an
+`Upstream` protocol in the data plane (`connect_upstream`), asyncio streams in the engine.
 
-    sock = await dial_checked("pypi.org", ("151.101.0.223",), 443, connect_socket,
-                              timeout=10.0, metrics=metrics)
+    transport, upstream = await dial_checked("pypi.org", ("151.101.0.223",), 443,
+                                             connect_upstream, timeout=10.0, metrics=metrics)
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
-import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from proxy.reasons import UPSTREAM_REFUSED, UPSTREAM_TIMEOUT, authority, shown
 
@@ -70,41 +68,49 @@ async def dial_checked[T](
     )
 
 
-async def connect_socket(address: str, port: int) -> socket.socket:
-    """A connected non-blocking TCP socket to a numeric address (never a name lookup).
+class Upstream(asyncio.Protocol):
+    """An upstream connection before its relay (or HTTP exchange) takes it: what it sends early
+    is kept (bounded: reading pauses past EARLY_LIMIT), and an EOF or a loss is remembered, so
+    whoever takes the transport over knows where it stands."""
 
-    The connect is driven here rather than by `loop.sock_connect`, which passes every address
-    through its resolver path first: the address is numeric, and this runs once per tunnel."""
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM | _NONBLOCK)
-    try:
-        if not _NONBLOCK:
-            sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        error = sock.connect_ex((address, port))
-        if error in _IN_PROGRESS:
-            loop = asyncio.get_running_loop()
-            writable = loop.create_future()
-            fd = sock.fileno()
-            loop.add_writer(fd, _wake, writable)
-            try:
-                await writable
-            finally:
-                loop.remove_writer(fd)
-            error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-        if error:
-            raise OSError(error, f"connect to {authority(address, port)} failed")
-    except BaseException:
-        sock.close()
-        raise
-    return sock
+    __slots__ = ("early", "eof", "lost", "lost_error", "transport")
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.early = bytearray()
+        self.eof = False
+        self.lost = False
+        self.lost_error: Exception | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses, only alike.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.early += data
+        if len(self.early) > EARLY_LIMIT and self.transport is not None:
+            self.transport.pause_reading()
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self.lost_error = exc
+
+    def take_early(self) -> bytes:
+        data = bytes(self.early)
+        self.early.clear()
+        return data
 
 
-_IN_PROGRESS = frozenset({errno.EINPROGRESS, errno.EINTR})
-# Linux: the socket is made non-blocking by socket() itself, one system call fewer.
-_NONBLOCK = getattr(socket, "SOCK_NONBLOCK", 0)
+EARLY_LIMIT = 64 << 10
 
 
-def _wake(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
+async def connect_upstream(address: str, port: int) -> tuple[asyncio.Transport, Upstream]:
+    """A transport connected to a numeric address (never a name lookup: the loop is given an IP
+    literal, which it connects without asking any resolver), with an `Upstream` protocol."""
+    loop = asyncio.get_running_loop()
+    transport, protocol = await loop.create_connection(Upstream, address, port)
+    return transport, protocol

@@ -1,0 +1,390 @@
+"""One accepted client connection of the front door, as an `asyncio.Protocol`: its bytes, its
+timers, its answer and its close line; and the `Door`, what all of them share (the decision
+code, the config, the sinks, the live connections, the door's own addresses). The kinds of
+listener (explicit proxy, SOCKS5, transparent) subclass Connection; a tunnel or an HTTP exchange
+takes its transport over from it.
+
+Every connection gets exactly one close line, whoever ends it: the relay of its tunnel, its own
+refusal, the client going away, or the engine it was handed to (which then writes it itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Protocol, cast
+
+from proxy.decide.events import CloseEvent
+from proxy.decide.vetting import Peer
+from proxy.net.bytecount import Counter
+from proxy.net.relay import Relay
+from proxy.reasons import HEADER_TIMEOUT, INTERNAL_ERROR, OVERLOAD, Refused, refusal_response
+
+if TYPE_CHECKING:
+    from proxy.decide.events import AuditSink, MetricsSink
+    from proxy.decide.vetting import Vetter
+    from proxy.netaddr import Listener
+    from proxy.settings import Config
+
+logger = logging.getLogger(__name__)
+
+# What a connection may hold of its client's bytes before it has decided what they are: a
+# CONNECT head, a SOCKS5 request or a ClientHello are far smaller.
+MAX_PENDING = 64 << 10
+
+
+class Connection(asyncio.Protocol):
+    """A client connection while the front door still owns it. Subclasses implement `begin`
+    (called once the transport is there) and `received` (bytes while nothing else owns them)."""
+
+    protocol = "http"  # the audit lines' `protocol` until the subclass knows better
+
+    def __init__(self, door: Door, listener: Listener) -> None:
+        self.door = door
+        self.listener = listener
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]
+        self.peer = Peer(None, "")
+        self.opened = 0.0
+        self.buffer = bytearray()
+        self.waiter: asyncio.Future[None] | None = None
+        self.client_eof = False
+        self.gone = False  # the client's transport is closed
+        self.answered = False  # a status line or reply went out: nothing more may be answered
+        self.closed = False  # its close line is written
+        self.handed = False  # the engine's now, close line and all
+        self.owned = False  # a relay or an exchange owns the transport now
+        self.reason = "client_closed"  # for a close line nobody else wrote
+        self.task: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        # What is known of the destination, as it is learned: for reloads and the close line.
+        self.target: str | None = None  # the decided authority
+        self.host: str | None = None
+        self.port: int | None = None
+        self.sni: str | None = None
+        self.pinned: tuple[str, ...] = ()
+        self.upstream: str | None = None  # the pinned address connected to
+        self.relay: Relay | None = None
+        self.counter = Counter()
+        self.counted = False  # connection_opened went to the metrics
+
+    # -- asyncio.Protocol ------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses, only alike.
+        self.transport = cast(asyncio.Transport, transport)
+        self.opened = time.monotonic()
+        try:
+            address = transport.get_extra_info("peername")
+            client = (str(address[0]), int(address[1])) if isinstance(address, tuple) else None
+            self.peer = Peer(client, uuid.uuid4().hex)
+            if self.door.admit(self):
+                self.begin()
+        except Exception as exc:
+            self.failed(exc)
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        if len(self.buffer) > MAX_PENDING:
+            self.transport.pause_reading()  # whoever reads next decides what too much means
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+            return
+        if self.task is not None and not self.task.done():
+            return  # the setup task reads what it needs when it gets to it
+        try:
+            self.received()
+        except Exception as exc:
+            self.failed(exc)
+
+    def eof_received(self) -> bool:
+        self.client_eof = True
+        if self.waiter is not None:
+            self._wake()
+        elif self.task is None or self.task.done():
+            # Gone before asking anything whole: nothing to answer.
+            self.close()
+        return True  # half-open: a tunnel setup still running decides what the EOF means
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.gone = True
+        self._wake()
+        self.cancel_timer()
+        if self.owned or self.handed:
+            return
+        if self.task is not None and not self.task.done():
+            self.task.cancel()  # its setup cannot go on without the client
+        try:
+            self.finish(self.reason)
+        except Exception:
+            logger.exception("egress: writing a close line failed")
+
+    # -- for subclasses ------------------------------------------------------------------------
+
+    def begin(self) -> None:
+        """The transport is there (and admitted): start reading."""
+
+    def received(self) -> None:
+        """Bytes arrived (in `buffer`) while no task waits for them."""
+
+    def spawn(self, work: Any) -> None:
+        """Runs the coroutine `work` as this connection's setup task; a failure in it is a
+        denial (fail closed), never a crash."""
+        self.task = asyncio.get_running_loop().create_task(work)
+        self.task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            self.failed(exc)
+
+    async def more(self) -> bool:
+        """Waits for more bytes in `buffer`; False when the client ended or went away first."""
+        if self.client_eof or self.gone:
+            return False
+        size = len(self.buffer)
+        self.transport.resume_reading()
+        while len(self.buffer) == size:
+            if self.client_eof or self.gone:
+                return False
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+        return True
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def arm_timer(self, seconds: float, refused: Refused | None = None) -> None:
+        """A deadline for what the client must send next (a head, a hello): past it, `refused`
+        is answered (or, None, the connection is closed as timed out)."""
+        self.cancel_timer()
+        self._timer = asyncio.get_running_loop().call_later(seconds, self._timed_out, refused)
+
+    def cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _timed_out(self, refused: Refused | None) -> None:
+        self._timer = None
+        if self.owned or self.handed or self.closed:
+            return
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+        refused = refused or Refused(408, HEADER_TIMEOUT, "no request head within the time limit")
+        self.refuse(refused, None, None, stage="accept")
+
+    # -- answers and ends ----------------------------------------------------------------------
+
+    def refuse(
+        self,
+        refused: Refused,
+        host: str | None,
+        port: int | None,
+        *,
+        stage: str,
+        record: bool = True,
+        **context: Any,
+    ) -> None:
+        """A connection refused before any tunnel: its decision line (unless the vetting wrote
+        it already), its answer in the client's protocol (unless one went out), its close."""
+        if host is not None:
+            self.host = host
+        if port is not None:
+            self.port = port
+        if record:
+            self.door.vetter.refusal(
+                refused, self.peer, host, port, self.protocol, stage=stage, **context
+            )
+        if not self.answered and not self.gone:
+            self.answered = True
+            self.answer_refusal(refused, host, port)
+        self.reason = refused.reason
+        self.close()
+
+    def answer_refusal(self, refused: Refused, host: str | None, port: int | None) -> None:
+        """The refusal in this listener's protocol: HTTP's 403 (or 4xx/5xx) by default."""
+        self.transport.write(refusal_response(refused, host or "proxy", port))
+
+    def close(self) -> None:
+        """Closes the client (what is buffered for it is written first); the close line follows
+        from connection_lost."""
+        self.cancel_timer()
+        if not self.gone:
+            self.transport.close()
+
+    def failed(self, exc: BaseException) -> None:
+        """Fail closed (DESIGN 3.7): whatever went wrong, the connection is denied here."""
+        if isinstance(exc, OSError):
+            logger.debug("egress: client connection ended: %s", exc)
+            self.reason = "reset"
+            self.close()
+            return
+        logger.error("egress: the front door failed on a connection", exc_info=exc)
+        refused = Refused(403, INTERNAL_ERROR, f"internal error: {type(exc).__name__}")
+        try:
+            if self.owned or self.handed:
+                vetter = self.door.vetter
+                vetter.refusal(refused, self.peer, None, None, self.protocol, stage="engine")
+                return
+            self.refuse(refused, None, None, stage="engine")
+        except Exception:
+            # Even the refusal failed: the connection goes, unanswered.
+            logger.exception("egress: refusing a failed connection failed too")
+            if not self.gone:
+                self.transport.abort()
+
+    def count_open(self) -> None:
+        """The connection in the metrics, under the protocol it turned out to speak: a tunnel
+        counts when it starts, anything else when it closes (a connection handed to the engine
+        is the engine's to count)."""
+        if not self.counted and self.door.metrics is not None:
+            self.counted = True
+            self.door.metrics.connection_opened("l4", self.protocol)
+
+    def still_allowed(self) -> bool:
+        """After a reload: whether what this connection was decided for is still allowed
+        (nothing decided yet: it will be decided on the new policy)."""
+        if self.target is None:
+            return True
+        return self.door.vetter.still_allowed(self.target, self.pinned, False)
+
+    def end(self, reason: str) -> None:
+        """Ends the connection from outside (a reload, the drain), whatever stage it is at."""
+        self.reason = reason
+        if self.relay is not None:
+            self.relay.close(reason)
+            return
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+        self.cancel_timer()
+        if not self.gone:
+            self.transport.abort()
+
+    def finish(self, reason: str) -> None:
+        """The close line (and the metrics of the close), once per connection, with what is
+        known of its destination by then."""
+        if self.closed:
+            return
+        self.closed = True
+        self.door.forget(self)
+        counter = self.counter
+        duration = time.monotonic() - self.opened
+        metrics = self.door.metrics
+        if metrics is not None:
+            self.count_open()
+            metrics.connection_closed("l4", counter.up, counter.down, duration)
+        audit = self.door.audit
+        if audit is not None:
+            audit.closed(
+                CloseEvent(
+                    host=self.host,
+                    port=self.port,
+                    plane="l4",
+                    protocol=self.protocol,
+                    client=self.peer.client,
+                    connection=self.peer.connection,
+                    sni=self.sni,
+                    upstream=self.upstream,
+                    bytes_up=counter.up,
+                    bytes_down=counter.down,
+                    duration=duration,
+                    reason=reason,
+                    pinned=self.pinned or None,
+                )
+            )
+
+    # -- the socket itself ------------------------------------------------------------------------
+
+    def raw_socket(self) -> Any:
+        """The transport's socket, for socket options (SO_ORIGINAL_DST)."""
+        return self.transport.get_extra_info("socket")
+
+    def detach_socket(self) -> socket.socket:
+        """The client's socket, duplicated and blocking-free, its transport dropped: for the
+        engine, which serves it on a transport of its own. Whatever was read stays in
+        `buffer`."""
+        self.transport.pause_reading()
+        fd = os.dup(self.raw_socket().fileno())
+        self.handed = True
+        self.transport.abort()
+        sock = socket.socket(fileno=fd)
+        sock.setblocking(False)
+        return sock
+
+
+class Handoff(Protocol):
+    """What the front door needs of the interception engine: serve one accepted connection as
+    if it had accepted it, starting with the bytes already read from it."""
+
+    async def handoff(self, sock: socket.socket, prefix: bytes, scheme: str) -> None: ...
+
+
+class Door:
+    """The state the front door's connections share."""
+
+    def __init__(
+        self,
+        vetter: Vetter,
+        config: Config,
+        metrics: MetricsSink | None,
+        audit: AuditSink | None,
+        engine: Callable[[], Awaitable[Handoff]],
+    ) -> None:
+        self.vetter = vetter
+        self.config = config
+        self.metrics = metrics
+        self.audit = audit
+        self.engine = engine
+        self.connections: set[Connection] = set()
+        self.handoffs: set[asyncio.Task[None]] = set()
+        self.own: set[tuple[str, int]] = set()
+        self.own_ports: set[int] = set()  # of wildcard listeners: every address is ours
+
+    @property
+    def live(self) -> int:
+        """Connections accepted and not yet closed (those handed to the engine included)."""
+        return len(self.connections) + len(self.handoffs)
+
+    def admit(self, connection: Connection) -> bool:
+        """Counts a new connection in, or refuses it (503) when `limits.max_connections` are
+        live already: only the connections over the limit are refused, and those do not count."""
+        if self.live >= self.config.limits.max_connections:
+            refused = Refused(503, OVERLOAD, "too many connections", error=True)
+            connection.refuse(refused, None, None, stage="accept")
+            return False
+        self.connections.add(connection)
+        return True
+
+    def forget(self, connection: Connection) -> None:
+        self.connections.discard(connection)
+
+    def is_own(self, address: str, port: int) -> bool:
+        """Whether address:port is one of our listeners (a wildcard one on any address)."""
+        return port in self.own_ports or (address, port) in self.own
+
+    async def hand_off(self, connection: Connection, prefix: bytes, scheme: str) -> None:
+        """Gives `connection` to the interception engine (loaded now if it is not yet)."""
+        engine = await self.engine()
+        sock = connection.detach_socket()
+        self.connections.discard(connection)
+        task = asyncio.current_task()
+        assert task is not None
+        self.handoffs.add(task)
+        try:
+            await engine.handoff(sock, prefix, scheme)
+        finally:
+            self.handoffs.discard(task)

@@ -1,0 +1,104 @@
+"""Transparent listeners (`transparent://HOST:PORT`, `--mode transparent`): connections netfilter
+redirected to us (REDIRECT/DNAT). TLS is decided on its SNI and relayed to a checked address of
+that name, never to the original destination, which is read only for its port; plain HTTP is
+decided on its Host header by the HTTP plane. No SNI, no Host, or a connection that was not
+redirected: refused. The client asked nothing of a proxy, so nothing can be answered in HTTP:
+a refusal closes the connection (its decision and close lines say why)."""
+
+from __future__ import annotations
+
+from proxy.dataplane import tunnel
+from proxy.dataplane.connection import Connection
+from proxy.decide.clienthello import ClientHelloError, parse_client_hello, starts_like_tls
+from proxy.decide.vetting import canonical_host
+from proxy.net.sockets import original_destination
+from proxy.reasons import (
+    INSPECTION_UNSUPPORTED,
+    INVALID_CLIENT_HELLO,
+    NO_ORIGINAL_DESTINATION,
+    SNI_MISMATCH,
+    SNI_MISSING,
+    Refused,
+    authority,
+    shown,
+)
+
+
+class Transparent(Connection):
+    protocol = "tls"
+
+    def begin(self) -> None:
+        try:
+            original = original_destination(self.raw_socket())
+            if self.door.is_own(*original):
+                # conntrack knows every connection, redirected or not: one that reached our
+                # listener by its own address would make us dial ourselves.
+                raise OSError("the connection was not redirected")
+        except OSError as exc:
+            refused = Refused(
+                403,
+                NO_ORIGINAL_DESTINATION,
+                f"no original destination (not a redirected connection?): {exc.strerror or exc}",
+            )
+            self.refuse(refused, None, None, stage="accept")
+            return
+        self.port = original[1]
+        self.arm_timer(self.door.config.limits.header_timeout)
+
+    def answer_refusal(self, refused: Refused, host: str | None, port: int | None) -> None:
+        pass  # see the module docstring: closing is the answer
+
+    def received(self) -> None:
+        data = bytes(self.buffer)
+        if not starts_like_tls(data):  # judged on what is there, even one byte
+            self.cancel_timer()
+            self.plain_http()
+            return
+        try:
+            hello = parse_client_hello(data)
+        except ClientHelloError as exc:
+            refused = Refused(403, INVALID_CLIENT_HELLO, f"invalid TLS ClientHello: {exc.message}")
+            self.refuse(refused, None, self.port, stage="sni")
+            return
+        if hello is None:
+            return  # split across reads: the header timer still runs
+        self.cancel_timer()
+        if not hello.sni:
+            refused = Refused(403, SNI_MISSING, "the ClientHello has no SNI")
+            self.refuse(refused, None, self.port, stage="sni")
+            return
+        self.sni = hello.sni
+        host = canonical_host(hello.sni)
+        if host.startswith("\0"):
+            refused = Refused(403, SNI_MISMATCH, f"SNI {shown(hello.sni)!r} is not a host name")
+            self.refuse(refused, None, self.port, stage="sni", sni=hello.sni)
+            return
+        assert self.port is not None
+        target = authority(host, self.port)
+        decision = self.door.vetter.decide(target)
+        if decision.allowed and decision.needs_inspection:
+            refused = Refused(
+                403,
+                INSPECTION_UNSUPPORTED,
+                "this host's rules need TLS inspection, which transparent mode does not do; "
+                "use the explicit proxy",
+            )
+            self.refuse(refused, host, self.port, stage="name", sni=hello.sni)
+            return
+        self.spawn(self._tunnel(target, self.port, decision))
+
+    def plain_http(self) -> None:
+        # Until the HTTP plane takes these, the engine decides them on their Host header.
+        self.protocol = "http"
+        self.spawn(self.door.hand_off(self, bytes(self.buffer), "transparent"))
+
+    async def _tunnel(self, target: str, port: int, decision: object) -> None:
+        try:
+            dialled = await tunnel.dial(self, target, port, decision, sni=self.sni)  # type: ignore[arg-type]
+        except Refused as refused:
+            self.refuse(refused, None, port, stage="", record=False)
+            return
+        self.door.vetter.allowed(
+            self.peer, self.protocol, stage="sni", host=dialled.name, port=port, sni=self.sni
+        )
+        tunnel.relay(self, dialled)
