@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from proxy.boundary import nftrules
+from proxy.boundary.nft.chains import check_table_name
+from proxy.boundary.nft.compare import expected_chains
+from proxy.boundary.nft.sandbox import sandbox_chains, sandbox_ruleset
 from proxy.boundary.sandbox import session as sandbox
 from proxy.boundary.sandbox.net import (
     AddressPlan,
@@ -189,7 +191,7 @@ def test_session_names_fit_interface_and_table_limits() -> None:
     names = SessionNames.new()
     assert len(names.host_link) <= 15 and len(names.ns_link) <= 15
     assert names.netns.startswith("egress-sb-") and names.table.startswith("egress_sb_")
-    nftrules.check_table_name(names.table)
+    check_table_name(names.table)
 
 
 # -- the host-side rules ---------------------------------------------------------------------
@@ -199,7 +201,7 @@ def _ruleset(names: SessionNames) -> str:
     plan = AddressPlan(
         ipaddress.IPv4Network("198.51.100.4/30"), ipaddress.IPv6Network("fd12:3456:789a:1::/64")
     )
-    return nftrules.sandbox_ruleset(
+    return sandbox_ruleset(
         names.table, names.host_link, str(plan.host4), str(plan.host6),
         explicit_port=3128, transparent_port=3129, dns_port=5353,
     )  # fmt: skip
@@ -207,7 +209,7 @@ def _ruleset(names: SessionNames) -> str:
 
 def test_the_sandbox_rule_set_promises_what_the_design_says() -> None:
     names = SessionNames("0123abcd")
-    chains = nftrules.expected_chains(_ruleset(names), names.table)
+    chains = expected_chains(_ruleset(names), names.table)
     assert set(chains) == {"prerouting", "input", "forward"}
     nat = chains["prerouting"].rules
     assert [(r.verdict, r.redirect_port, r.nat_address) for r in nat[2:]] == [
@@ -232,9 +234,9 @@ def test_the_sandbox_rule_set_promises_what_the_design_says() -> None:
 def test_bad_sandbox_rule_inputs_are_refused(kwargs: dict[str, int], message: str) -> None:
     ports = {"explicit_port": 3128, "transparent_port": 3129, "dns_port": 5353} | kwargs
     with pytest.raises(ProxyError, match=message):
-        nftrules.sandbox_ruleset("egress_sb_x", "egsbxh", "198.51.100.5", "fd00::1", **ports)
+        sandbox_ruleset("egress_sb_x", "egsbxh", "198.51.100.5", "fd00::1", **ports)
     with pytest.raises(ProxyError, match="interface name"):
-        nftrules.sandbox_chains(
+        sandbox_chains(
             'egsb" accept #', "198.51.100.5", "fd00::1",
             explicit_port=1, transparent_port=2, dns_port=3,
         )  # fmt: skip

@@ -31,7 +31,10 @@ UDP_PROBE_PORT = 443
 
 
 def apply(args: argparse.Namespace, out: TextIO) -> int:
-    from proxy.boundary import nftrules
+    from proxy.boundary.nft.chains import BOUNDARY_FAILED
+    from proxy.boundary.nft.compare import expected_chains
+    from proxy.boundary.nft.load import apply_ruleset, read_back
+    from proxy.boundary.nft.pod import pod_ruleset
 
     if args.ruleset is not None:
         given = [
@@ -60,7 +63,7 @@ def apply(args: argparse.Namespace, out: TextIO) -> int:
         ]
         if missing:
             raise ProxyError("usage", f"boundary apply: {' and '.join(missing)} required")
-        text = nftrules.pod_ruleset(
+        text = pod_ruleset(
             args.proxy_uid,
             args.transparent_port,
             args.dns_port,
@@ -69,19 +72,19 @@ def apply(args: argparse.Namespace, out: TextIO) -> int:
             admin_port=args.admin_port,
         )
     if args.print:
-        nftrules.expected_chains(text, args.table)  # what is printed must be what apply loads
+        expected_chains(text, args.table)  # what is printed must be what apply loads
         out.write(text)
         return 0
     try:
-        nftrules.apply_ruleset(text, args.table)
+        apply_ruleset(text, args.table)
     except ProxyError as exc:
-        if exc.reason != nftrules.BOUNDARY_FAILED:
+        if exc.reason != BOUNDARY_FAILED:
             raise
         sys.stderr.write(
             printable(f"egress-proxy: boundary not applied (no rules left in place): {exc}") + "\n"
         )
         return 1
-    chains = nftrules.read_back(args.table)
+    chains = read_back(args.table)
     rules = sum(len(chain.rules) for chain in chains.values())
     out.write(
         f"egress-proxy: boundary applied: table inet {args.table}, {len(chains)} chains, "

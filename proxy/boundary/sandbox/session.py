@@ -8,7 +8,7 @@ Activation, in order; any failure tears down what exists and COMMAND never runs:
    `inet egress_sb_XXXXXXXX`) and addresses (proxy/sandbox_net.py); /etc/netns/NAME/resolv.conf
    naming the host side as the nameserver;
 3. the namespace and the veth pair, addressed, links down;
-4. the host-side nftables rules (proxy/nftrules.py `sandbox_ruleset`), loaded, read back and
+4. the host-side nftables rules (proxy/boundary/nft/sandbox.py), loaded, read back and
    compared (`apply_ruleset`); only then are the links brought up and routed;
 5. the session proxy (`egress-proxy run`) on the host side: an explicit HTTP listener, a
    transparent one for v4 and v6, the DNS responder for v4 and v6, and its admin listener;
@@ -52,10 +52,12 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
-from proxy.boundary import nftrules
+from proxy.boundary.nft.load import apply_ruleset, remove_table
+from proxy.boundary.nft.sandbox import sandbox_ruleset
 from proxy.boundary.sandbox import net as sandbox_net
 from proxy.boundary.sandbox.net import AddressPlan, SandboxError, SessionNames
 from proxy.boundary.sandbox.options import Options
+from proxy.errors import ProxyError
 from proxy.netaddr import format_listen
 from proxy.terminal import printable
 
@@ -391,7 +393,7 @@ class Sandbox:
             return self._interrupted(exc.signum)
         except ActivationRefused as exc:
             return self._refused(str(exc))
-        except nftrules.ProxyError as exc:  # SandboxError and nftrules' boundary_failed
+        except ProxyError as exc:  # SandboxError and the rules' boundary_failed
             return self._refused(exc.message)
         except Exception as exc:  # a bug: still torn down, never a traceback
             return _internal(exc)
@@ -451,12 +453,12 @@ class Sandbox:
 
         self.ports = session_ports(self.plan)
         explicit, transparent, dns = self.ports
-        text = nftrules.sandbox_ruleset(
+        text = sandbox_ruleset(
             names.table, names.host_link, str(self.plan.host4), str(self.plan.host6),
             explicit_port=explicit, transparent_port=transparent, dns_port=dns,
         )  # fmt: skip
         self._made.add("table")
-        nftrules.apply_ruleset(text, names.table, nft=self.tools.nft)
+        apply_ruleset(text, names.table, nft=self.tools.nft)
         self._check_interrupted()
         sandbox_net.bring_up(ip, names, self.plan)
         self._check_interrupted()
@@ -749,7 +751,7 @@ class Sandbox:
                 action()
                 return True
             except Exception as exc:
-                text = exc.message if isinstance(exc, nftrules.ProxyError) else str(exc)
+                text = exc.message if isinstance(exc, ProxyError) else str(exc)
                 problems.append(f"{what}: {text}")
                 self.say(f"teardown: {what} failed: {text}")
                 return False
@@ -771,7 +773,7 @@ class Sandbox:
             if link_gone:
                 step(
                     f"deleting table inet {names.table}",
-                    lambda: nftrules.remove_table(names.table, nft=self.tools.nft),  # type: ignore[union-attr]
+                    lambda: remove_table(names.table, nft=self.tools.nft),  # type: ignore[union-attr]
                 )
             else:
                 problems.append(f"kept table inet {names.table}: the veth pair may still exist")
