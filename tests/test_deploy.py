@@ -26,7 +26,7 @@ from proxy.boundary.nft.chains import DEFAULT_TABLE
 from proxy.boundary.nft.compare import expected_chains
 from proxy.boundary.nft.pod import pod_ruleset
 from proxy.boundary.nft.sandbox import sandbox_ruleset
-from proxy.boundary.probes import parse_spec
+from proxy.boundary.probes.spec import parse_spec
 from proxy.cli import build_parser
 from proxy.cli import main as cli_main
 from proxy.errors import ProxyError

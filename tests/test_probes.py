@@ -1,6 +1,6 @@
-"""proxy/probes.py against real sockets on loopback: a TCP server that answers as the proxy (or
-not), a UDP echo server, the tests' DNS server, and the spec and command-line checks. The probes
-in a real boundary (nftables, namespaces) are in tests/test_boundary.py."""
+"""proxy/boundary/probes/ against real sockets on loopback: a TCP server that answers as the
+proxy (or not), a UDP echo server, the tests' DNS server, and the spec and command-line checks.
+The probes in a real boundary (nftables, namespaces) are in tests/test_boundary.py."""
 
 from __future__ import annotations
 
@@ -17,17 +17,12 @@ import pytest
 from dns_server import DNSServer
 from running import tcp_server
 
-from proxy.boundary.probes import (
-    DnsProbe,
-    ProbeSpec,
-    TcpProbe,
-    dns_refused,
-    parse_spec,
-    parse_user,
-    run_probes,
-    tcp_answered_by_proxy,
-    udp_blocked,
-)
+from proxy.boundary.probes.dns_query import dns_refused
+from proxy.boundary.probes.privileges import parse_user
+from proxy.boundary.probes.runner import run_probes
+from proxy.boundary.probes.spec import DnsProbe, ProbeSpec, TcpProbe, parse_spec
+from proxy.boundary.probes.tcp import tcp_answered_by_proxy
+from proxy.boundary.probes.udp import udp_blocked
 from proxy.errors import ProxyError
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -97,11 +97,12 @@ def verify(args: argparse.Namespace, out: TextIO) -> int:
     import dns.exception
     import dns.name
 
-    from proxy.boundary import probes
+    from proxy.boundary.probes.privileges import drop_privileges, parse_user
+    from proxy.boundary.probes.runner import report, run_probes
 
     # Privileges go first: not one probe runs as root by mistake.
     if args.as_user is not None:
-        probes.drop_privileges(*probes.parse_user(args.as_user))
+        drop_privileges(*parse_user(args.as_user))
     elif os.geteuid() == 0:
         raise ProxyError(
             "usage",
@@ -122,10 +123,10 @@ def verify(args: argparse.Namespace, out: TextIO) -> int:
         denied_name=args.denied_name,
         timeout=args.timeout,
     )
-    results = probes.run_probes(spec)
+    results = run_probes(spec)
     passed = all(r.passed for r in results)
     if args.json:
-        out.write(json.dumps(probes.report(results), indent=2) + "\n")
+        out.write(json.dumps(report(results), indent=2) + "\n")
     else:
         for result in results:
             verdict = "held  " if result.passed else "BYPASS"
@@ -152,7 +153,7 @@ def verify_spec(
     """The probes `boundary verify` runs: TCP to each probe address (must reach the proxy),
     UDP and ICMP to each (must be refused locally), a DNS query for a denied name sent to the
     IPv4 probe address (redirected: must be refused), and the explicit proxy port if given."""
-    from proxy.boundary.probes import DnsProbe, IcmpProbe, ProbeSpec, TcpProbe, UdpProbe
+    from proxy.boundary.probes.spec import DnsProbe, IcmpProbe, ProbeSpec, TcpProbe, UdpProbe
 
     families = [("v4", probe_v4)] + ([("v6", probe_v6)] if probe_v6 is not None else [])
     tcp = [
