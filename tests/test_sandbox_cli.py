@@ -17,7 +17,7 @@ import pytest
 from proxy.boundary.nft.chains import check_table_name
 from proxy.boundary.nft.compare import expected_chains
 from proxy.boundary.nft.sandbox import sandbox_chains, sandbox_ruleset
-from proxy.boundary.sandbox import session as sandbox
+from proxy.boundary.sandbox import preflight
 from proxy.boundary.sandbox.net import (
     AddressPlan,
     SessionNames,
@@ -26,6 +26,7 @@ from proxy.boundary.sandbox.net import (
     plan_addresses,
 )
 from proxy.boundary.sandbox.options import resolve_user
+from proxy.boundary.sandbox.outcome import EXIT_PRIVILEGES
 from proxy.cli import build_parser, main
 from proxy.errors import ProxyError
 
@@ -118,23 +119,24 @@ def test_a_manifest_that_does_not_compile_exits_1_and_creates_nothing(tmp_path: 
 def test_missing_capabilities_exit_77_naming_each(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(sandbox, "missing_capabilities", lambda: ["CAP_NET_ADMIN", "CAP_SYS_ADMIN"])
+    missing = ["CAP_NET_ADMIN", "CAP_SYS_ADMIN"]
+    monkeypatch.setattr(preflight, "missing_capabilities", lambda: missing)
     code, _, _ = run_cli("sandbox", manifest(tmp_path), "--", "true")
     err = capsys.readouterr().err
-    assert code == sandbox.EXIT_PRIVILEGES == 77
+    assert code == EXIT_PRIVILEGES == 77
     assert "missing CAP_NET_ADMIN, CAP_SYS_ADMIN" in err
     assert "nothing was created" in err
 
 
 def test_capabilities_are_read_from_the_effective_set() -> None:
     everything = "CapEff:\t000001ffffffffff\n"
-    assert sandbox.missing_capabilities(everything) == []
+    assert preflight.missing_capabilities(everything) == []
     # NET_ADMIN (12) and SETUID (7) cleared
-    assert sandbox.missing_capabilities("CapEff:\t000001ffffffef7f\n") == [
+    assert preflight.missing_capabilities("CapEff:\t000001ffffffef7f\n") == [
         "CAP_NET_ADMIN",
         "CAP_SETUID",
     ]
-    assert "CAP_SYS_ADMIN" in sandbox.missing_capabilities("CapEff:\t0000000000000000\n")
+    assert "CAP_SYS_ADMIN" in preflight.missing_capabilities("CapEff:\t0000000000000000\n")
 
 
 # -- the user COMMAND runs as ----------------------------------------------------------------
