@@ -589,6 +589,9 @@ def test_boundary_apply_print_renders_and_refuses_bad_input(tmp_path: Path) -> N
         ["--proxy-uid", "0"],
         ["--proxy-uid", "x"],
         ["--proxy-uid", "1", "--dns-port", "53"],
+        ["--proxy-uid", "²"],
+        ["--proxy-uid", "1", "--dns-port", "١٥٠٥٣"],
+        ["--proxy-uid", "1", "--explicit-port", "9" * 5000],
     ):
         command = [sys.executable, "-m", "proxy", *base, *bad, "--print"]
         done = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=ROOT)

@@ -205,10 +205,15 @@ def test_spec_round_trip() -> None:
     assert spec.timeout == 2.0 and spec.count() == 4
 
 
-@pytest.mark.parametrize("text", ["0:0", "65534", "a:b", "1:", "4294967295:1", "-1:1"])
+@pytest.mark.parametrize(
+    "text", ["0:0", "65534", "a:b", "1:", "4294967295:1", "-1:1", "²:1", "1:١", "1" * 5000 + ":1"]
+)
 def test_as_user_refuses_root_and_malformed(text: str) -> None:
-    with pytest.raises(ProxyError):
+    # '²' and '١' are digits to str.isdigit, not to int(); 5,000 digits are more than int()
+    # reads from text: each is the usage error, never another exception.
+    with pytest.raises(ProxyError) as caught:
         parse_user(text)
+    assert caught.value.reason == "usage"
 
 
 def probes_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -235,8 +240,15 @@ def test_cli_exit_codes_and_json() -> None:
     assert broken.returncode == 1
     assert json.loads(broken.stdout)["passed"] is False
 
-    for args in (["--spec", "{"], ["--spec", "{}"], [], ["--spec", "{}", "--as-user", "0:0"]):
+    for args in (
+        ["--spec", "{"],
+        ["--spec", "{}"],
+        [],
+        ["--spec", "{}", "--as-user", "0:0"],
+        ["--spec", "{}", "--as-user", "²:1"],
+    ):
         done = probes_cli(*args)
         assert done.returncode == 2, (args, done.stdout, done.stderr)
+        assert "Traceback" not in done.stderr
         assert "Traceback" not in done.stderr
         assert done.stdout == ""

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from policy import PolicyError
 from proxy.boundary.nft.chains import check_table_name
 from proxy.boundary.nft.compare import expected_chains
 from proxy.boundary.nft.sandbox import sandbox_chains, sandbox_ruleset
@@ -158,6 +159,17 @@ def test_users_by_name_uid_and_uid_gid() -> None:
     assert (numeric.uid, numeric.gid, numeric.name) == (4000000, 4000001, None)
     with pytest.raises(Exception, match="has no password entry"):
         resolve_user("4000000", {})
+
+
+def test_user_digits_are_ascii_only() -> None:
+    # '²' is a digit to str.isdigit but not to int(): a name, and no user has it.
+    with pytest.raises(PolicyError, match="no such user") as caught:
+        resolve_user("²", {})
+    assert caught.value.reason == "usage"
+    with pytest.raises(PolicyError, match="no such group"):
+        resolve_user("0:²", {})
+    # Nor is it the sudo user's id: the default falls back to nobody.
+    assert resolve_user(None, {"SUDO_UID": "1²", "SUDO_GID": "1"}).name == "nobody"
 
 
 # -- addresses -------------------------------------------------------------------------------
