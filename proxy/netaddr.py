@@ -11,6 +11,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from proxy.errors import ProxyError
 from proxy.terminal import one_line
@@ -79,7 +80,31 @@ def check_listeners(listeners: list[Listener], *, engine_only: bool = False) -> 
 
 
 # --------------------------------------------------------------------------------------------
-# HOST:PORT
+# ports and HOST:PORT
+
+MAX_PORT = 65535
+
+
+def is_port(value: object) -> TypeGuard[int]:
+    """Whether `value` is a port a connection can go to: an int from 1 to 65535 (a bool is not
+    one, though Python counts it as an int). Each caller wraps a refusal in its own error, for
+    its own input."""
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_PORT
+
+
+def decimal(text: str) -> int | None:
+    """`text` as a whole number written in ASCII digits (a port or an id on a command line),
+    else None. `str.isdigit` alone also takes digits such as '²', which `int` then refuses,
+    and `int` refuses a number of thousands of digits: a caller that checks a range must
+    never get an exception instead."""
+    if not (text.isascii() and text.isdigit()):
+        return None
+    digits = text.lstrip("0") or "0"
+    # Far below any int-to-text limit Python allows (640 at the least), far above any id.
+    return int(digits) if len(digits) <= _MAX_DECIMAL_DIGITS else None
+
+
+_MAX_DECIMAL_DIGITS = 600
 
 
 _PORT = re.compile(r"[0-9]{1,5}")
@@ -134,7 +159,7 @@ def parse_listen(text: str) -> tuple[str, int]:
                     f"{host_text!r} is not an IP address (names other than localhost are not "
                     "resolved)"
                 ) from None
-    if not _PORT.fullmatch(port_text) or int(port_text) > 65535:
+    if not _PORT.fullmatch(port_text) or int(port_text) > MAX_PORT:
         raise refuse(f"port {port_text!r} is not a number from 0 to 65535")
     return host, int(port_text)
 

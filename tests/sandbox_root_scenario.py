@@ -14,7 +14,8 @@ import shutil
 import subprocess
 import sys
 
-from proxy.boundary.probes import parse_spec, run_probes
+from proxy.boundary.probes.runner import run_probes
+from proxy.boundary.probes.spec import parse_spec
 
 
 def main() -> int:

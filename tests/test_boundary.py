@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from proxy.boundary import nftrules
+from proxy.boundary.nft.pod import pod_ruleset
 
 ROOT = Path(__file__).resolve().parent.parent
 IP, NFT = shutil.which("ip"), shutil.which("nft")
@@ -435,7 +435,7 @@ def test_a_rule_set_that_fails_to_load_leaves_no_table(tmp_path: Path) -> None:
         # transaction fails, and the table the good one left is removed too.
         broken = tmp_path / "broken.nft"
         broken.write_text(
-            nftrules.pod_ruleset(64000, TRANSPARENT, DNS).replace(
+            pod_ruleset(64000, TRANSPARENT, DNS).replace(
                 "ct direction reply accept", f"redirect to :{TRANSPARENT}"
             )
         )

@@ -22,8 +22,11 @@ import kubernetes_validate.utils
 import pytest
 import yaml
 
-from proxy.boundary import nftrules
-from proxy.boundary.probes import parse_spec
+from proxy.boundary.nft.chains import DEFAULT_TABLE
+from proxy.boundary.nft.compare import expected_chains
+from proxy.boundary.nft.pod import pod_ruleset
+from proxy.boundary.nft.sandbox import sandbox_ruleset
+from proxy.boundary.probes.spec import parse_spec
 from proxy.cli import build_parser
 from proxy.cli import main as cli_main
 from proxy.errors import ProxyError
@@ -328,7 +331,7 @@ def test_sidecar_rules_render_from_the_init_container_arguments(tmp_path: Path) 
     with printed.open("w") as out:
         assert cli_main([*apply["args"], "--print"], out=out) == 0
     text = printed.read_text()
-    chains = nftrules.expected_chains(text, nftrules.DEFAULT_TABLE)
+    chains = expected_chains(text, DEFAULT_TABLE)
     assert set(chains) == {"nat_output", "filter_output", "filter_input"}
     assert chains["filter_output"].policy == "drop" and chains["filter_input"].policy == "drop"
     nft_check(text)
@@ -509,10 +512,10 @@ RULESET_VARIANTS = [
 
 @pytest.mark.parametrize("variant", RULESET_VARIANTS)
 def test_rendered_rule_sets_pass_nft_check(variant: dict[str, Any]) -> None:
-    text = nftrules.pod_ruleset(**variant)
+    text = pod_ruleset(**variant)
     nft_check(text)
-    table = variant.get("table", nftrules.DEFAULT_TABLE)
-    chains = nftrules.expected_chains(text, table)
+    table = variant.get("table", DEFAULT_TABLE)
+    chains = expected_chains(text, table)
     nat = chains["nat_output"].rules
     assert nat[0].skuid == variant["proxy_uid"] and nat[0].verdict == "return"
     assert nat[-1].redirect_port == variant["transparent_port"]
@@ -524,7 +527,7 @@ def test_rendered_rule_sets_pass_nft_check(variant: dict[str, Any]) -> None:
 )
 def test_sandbox_rule_sets_pass_nft_check(host4: str, host6: str) -> None:
     # The one-machine shape's host-side rules: checked by nft itself, like the pod's.
-    text = nftrules.sandbox_ruleset(
+    text = sandbox_ruleset(
         "egress_sb_0123abcd",
         "egsb0123abcdh",
         host4,
@@ -534,7 +537,7 @@ def test_sandbox_rule_sets_pass_nft_check(host4: str, host6: str) -> None:
         dns_port=15053,
     )
     nft_check(text)
-    chains = nftrules.expected_chains(text, "egress_sb_0123abcd")
+    chains = expected_chains(text, "egress_sb_0123abcd")
     assert set(chains) == {"prerouting", "input", "forward"}
     # Everything that came in over the veth and was not accepted is dropped, never forwarded.
     assert chains["input"].rules[-1].verdict == "drop"
@@ -543,7 +546,7 @@ def test_sandbox_rule_sets_pass_nft_check(host4: str, host6: str) -> None:
 
 def test_nft_check_refuses_a_broken_rule_set() -> None:
     # The check above can fail: a redirect in a filter chain is refused by nft.
-    text = nftrules.pod_ruleset(10000, 15001, 15053).replace(
+    text = pod_ruleset(10000, 15001, 15053).replace(
         "ct direction reply accept", "redirect to :15001"
     )
     assert nft_check_raw(text).returncode != 0
@@ -571,7 +574,7 @@ def test_nft_check_refuses_a_broken_rule_set() -> None:
 def test_pod_ruleset_refuses_bad_input(kwargs: dict[str, Any], message: str) -> None:
     arguments: dict[str, Any] = {"proxy_uid": 10000, "transparent_port": 15001, "dns_port": 15053}
     with pytest.raises(ProxyError) as caught:
-        nftrules.pod_ruleset(**(arguments | kwargs))
+        pod_ruleset(**(arguments | kwargs))
     assert caught.value.reason == "invalid_boundary"
     assert message in caught.value.message
 
@@ -581,11 +584,14 @@ def test_boundary_apply_print_renders_and_refuses_bad_input(tmp_path: Path) -> N
     command = [sys.executable, "-m", "proxy", *base, "--proxy-uid", "10000", "--print"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert done.returncode == 0, done.stderr
-    assert done.stdout == nftrules.pod_ruleset(10000, 15001, 15053)
+    assert done.stdout == pod_ruleset(10000, 15001, 15053)
     for bad in (
         ["--proxy-uid", "0"],
         ["--proxy-uid", "x"],
         ["--proxy-uid", "1", "--dns-port", "53"],
+        ["--proxy-uid", "²"],
+        ["--proxy-uid", "1", "--dns-port", "١٥٠٥٣"],
+        ["--proxy-uid", "1", "--explicit-port", "9" * 5000],
     ):
         command = [sys.executable, "-m", "proxy", *base, *bad, "--print"]
         done = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=ROOT)
@@ -597,13 +603,14 @@ def test_boundary_apply_print_renders_and_refuses_bad_input(tmp_path: Path) -> N
 
 _READ_BACK = """
 import json, subprocess, sys
-from proxy.boundary import nftrules
+from proxy.boundary.nft.compare import compare_chains, expected_chains
+from proxy.boundary.nft.load import read_back
 text, other = sys.argv[1], sys.argv[2]
 subprocess.run(["nft", "-f", "-"], input=text, text=True, check=True)
-loaded = nftrules.read_back("egress_boundary")
+loaded = read_back("egress_boundary")
 print(json.dumps({
-    "same": nftrules.compare_chains(nftrules.expected_chains(text, "egress_boundary"), loaded),
-    "other": nftrules.compare_chains(nftrules.expected_chains(other, "egress_boundary"), loaded),
+    "same": compare_chains(expected_chains(text, "egress_boundary"), loaded),
+    "other": compare_chains(expected_chains(other, "egress_boundary"), loaded),
 }))
 """
 
@@ -611,8 +618,8 @@ print(json.dumps({
 def test_read_back_matches_what_was_rendered_and_notices_differences() -> None:
     if NFT is None or UNSHARE is None:
         pytest.skip("needs nftables (nft) and util-linux (unshare)")
-    text = nftrules.pod_ruleset(10000, 15001, 15053, 3128, admin_port=9901)
-    other = nftrules.pod_ruleset(10001, 15002, 15053, admin_port=9901)
+    text = pod_ruleset(10000, 15001, 15053, 3128, admin_port=9901)
+    other = pod_ruleset(10001, 15002, 15053, admin_port=9901)
     isolate = [UNSHARE, "-n"] if os.geteuid() == 0 else [UNSHARE, "-rn"]
     done = subprocess.run(
         [*isolate, sys.executable, "-c", _READ_BACK, text, other],

@@ -65,7 +65,7 @@ def imports(path: Path, name: str) -> Iterator[tuple[str, int]]:
                 package = package[: len(package) - (node.level - 1)]
                 base = ".".join([*package, base] if base else package)
             yield base, node.lineno
-            for alias in node.names:  # `from proxy.boundary import nftrules` names a module
+            for alias in node.names:  # `from proxy.boundary.nft import pod` names a module
                 yield f"{base}.{alias.name}", node.lineno
 
 

@@ -1,6 +1,6 @@
-"""proxy/probes.py against real sockets on loopback: a TCP server that answers as the proxy (or
-not), a UDP echo server, the tests' DNS server, and the spec and command-line checks. The probes
-in a real boundary (nftables, namespaces) are in tests/test_boundary.py."""
+"""proxy/boundary/probes/ against real sockets on loopback: a TCP server that answers as the
+proxy (or not), a UDP echo server, the tests' DNS server, and the spec and command-line checks.
+The probes in a real boundary (nftables, namespaces) are in tests/test_boundary.py."""
 
 from __future__ import annotations
 
@@ -17,17 +17,12 @@ import pytest
 from dns_server import DNSServer
 from running import tcp_server
 
-from proxy.boundary.probes import (
-    DnsProbe,
-    ProbeSpec,
-    TcpProbe,
-    dns_refused,
-    parse_spec,
-    parse_user,
-    run_probes,
-    tcp_answered_by_proxy,
-    udp_blocked,
-)
+from proxy.boundary.probes.dns_query import dns_refused
+from proxy.boundary.probes.privileges import parse_user
+from proxy.boundary.probes.runner import run_probes
+from proxy.boundary.probes.spec import DnsProbe, ProbeSpec, TcpProbe, parse_spec
+from proxy.boundary.probes.tcp import tcp_answered_by_proxy
+from proxy.boundary.probes.udp import udp_blocked
 from proxy.errors import ProxyError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -210,10 +205,15 @@ def test_spec_round_trip() -> None:
     assert spec.timeout == 2.0 and spec.count() == 4
 
 
-@pytest.mark.parametrize("text", ["0:0", "65534", "a:b", "1:", "4294967295:1", "-1:1"])
+@pytest.mark.parametrize(
+    "text", ["0:0", "65534", "a:b", "1:", "4294967295:1", "-1:1", "²:1", "1:١", "1" * 5000 + ":1"]
+)
 def test_as_user_refuses_root_and_malformed(text: str) -> None:
-    with pytest.raises(ProxyError):
+    # '²' and '١' are digits to str.isdigit, not to int(); 5,000 digits are more than int()
+    # reads from text: each is the usage error, never another exception.
+    with pytest.raises(ProxyError) as caught:
         parse_user(text)
+    assert caught.value.reason == "usage"
 
 
 def probes_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -240,8 +240,15 @@ def test_cli_exit_codes_and_json() -> None:
     assert broken.returncode == 1
     assert json.loads(broken.stdout)["passed"] is False
 
-    for args in (["--spec", "{"], ["--spec", "{}"], [], ["--spec", "{}", "--as-user", "0:0"]):
+    for args in (
+        ["--spec", "{"],
+        ["--spec", "{}"],
+        [],
+        ["--spec", "{}", "--as-user", "0:0"],
+        ["--spec", "{}", "--as-user", "²:1"],
+    ):
         done = probes_cli(*args)
         assert done.returncode == 2, (args, done.stdout, done.stderr)
+        assert "Traceback" not in done.stderr
         assert "Traceback" not in done.stderr
         assert done.stdout == ""

@@ -14,8 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from proxy.boundary import nftrules
-from proxy.boundary.sandbox import session as sandbox
+from policy import PolicyError
+from proxy.boundary.nft.chains import check_table_name
+from proxy.boundary.nft.compare import expected_chains
+from proxy.boundary.nft.sandbox import sandbox_chains, sandbox_ruleset
+from proxy.boundary.sandbox import preflight
 from proxy.boundary.sandbox.net import (
     AddressPlan,
     SessionNames,
@@ -24,6 +27,7 @@ from proxy.boundary.sandbox.net import (
     plan_addresses,
 )
 from proxy.boundary.sandbox.options import resolve_user
+from proxy.boundary.sandbox.outcome import EXIT_PRIVILEGES
 from proxy.cli import build_parser, main
 from proxy.errors import ProxyError
 
@@ -116,23 +120,24 @@ def test_a_manifest_that_does_not_compile_exits_1_and_creates_nothing(tmp_path: 
 def test_missing_capabilities_exit_77_naming_each(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(sandbox, "missing_capabilities", lambda: ["CAP_NET_ADMIN", "CAP_SYS_ADMIN"])
+    missing = ["CAP_NET_ADMIN", "CAP_SYS_ADMIN"]
+    monkeypatch.setattr(preflight, "missing_capabilities", lambda: missing)
     code, _, _ = run_cli("sandbox", manifest(tmp_path), "--", "true")
     err = capsys.readouterr().err
-    assert code == sandbox.EXIT_PRIVILEGES == 77
+    assert code == EXIT_PRIVILEGES == 77
     assert "missing CAP_NET_ADMIN, CAP_SYS_ADMIN" in err
     assert "nothing was created" in err
 
 
 def test_capabilities_are_read_from_the_effective_set() -> None:
     everything = "CapEff:\t000001ffffffffff\n"
-    assert sandbox.missing_capabilities(everything) == []
+    assert preflight.missing_capabilities(everything) == []
     # NET_ADMIN (12) and SETUID (7) cleared
-    assert sandbox.missing_capabilities("CapEff:\t000001ffffffef7f\n") == [
+    assert preflight.missing_capabilities("CapEff:\t000001ffffffef7f\n") == [
         "CAP_NET_ADMIN",
         "CAP_SETUID",
     ]
-    assert "CAP_SYS_ADMIN" in sandbox.missing_capabilities("CapEff:\t0000000000000000\n")
+    assert "CAP_SYS_ADMIN" in preflight.missing_capabilities("CapEff:\t0000000000000000\n")
 
 
 # -- the user COMMAND runs as ----------------------------------------------------------------
@@ -154,6 +159,17 @@ def test_users_by_name_uid_and_uid_gid() -> None:
     assert (numeric.uid, numeric.gid, numeric.name) == (4000000, 4000001, None)
     with pytest.raises(Exception, match="has no password entry"):
         resolve_user("4000000", {})
+
+
+def test_user_digits_are_ascii_only() -> None:
+    # '²' is a digit to str.isdigit but not to int(): a name, and no user has it.
+    with pytest.raises(PolicyError, match="no such user") as caught:
+        resolve_user("²", {})
+    assert caught.value.reason == "usage"
+    with pytest.raises(PolicyError, match="no such group"):
+        resolve_user("0:²", {})
+    # Nor is it the sudo user's id: the default falls back to nobody.
+    assert resolve_user(None, {"SUDO_UID": "1²", "SUDO_GID": "1"}).name == "nobody"
 
 
 # -- addresses -------------------------------------------------------------------------------
@@ -189,7 +205,7 @@ def test_session_names_fit_interface_and_table_limits() -> None:
     names = SessionNames.new()
     assert len(names.host_link) <= 15 and len(names.ns_link) <= 15
     assert names.netns.startswith("egress-sb-") and names.table.startswith("egress_sb_")
-    nftrules.check_table_name(names.table)
+    check_table_name(names.table)
 
 
 # -- the host-side rules ---------------------------------------------------------------------
@@ -199,7 +215,7 @@ def _ruleset(names: SessionNames) -> str:
     plan = AddressPlan(
         ipaddress.IPv4Network("198.51.100.4/30"), ipaddress.IPv6Network("fd12:3456:789a:1::/64")
     )
-    return nftrules.sandbox_ruleset(
+    return sandbox_ruleset(
         names.table, names.host_link, str(plan.host4), str(plan.host6),
         explicit_port=3128, transparent_port=3129, dns_port=5353,
     )  # fmt: skip
@@ -207,7 +223,7 @@ def _ruleset(names: SessionNames) -> str:
 
 def test_the_sandbox_rule_set_promises_what_the_design_says() -> None:
     names = SessionNames("0123abcd")
-    chains = nftrules.expected_chains(_ruleset(names), names.table)
+    chains = expected_chains(_ruleset(names), names.table)
     assert set(chains) == {"prerouting", "input", "forward"}
     nat = chains["prerouting"].rules
     assert [(r.verdict, r.redirect_port, r.nat_address) for r in nat[2:]] == [
@@ -232,9 +248,9 @@ def test_the_sandbox_rule_set_promises_what_the_design_says() -> None:
 def test_bad_sandbox_rule_inputs_are_refused(kwargs: dict[str, int], message: str) -> None:
     ports = {"explicit_port": 3128, "transparent_port": 3129, "dns_port": 5353} | kwargs
     with pytest.raises(ProxyError, match=message):
-        nftrules.sandbox_ruleset("egress_sb_x", "egsbxh", "198.51.100.5", "fd00::1", **ports)
+        sandbox_ruleset("egress_sb_x", "egsbxh", "198.51.100.5", "fd00::1", **ports)
     with pytest.raises(ProxyError, match="interface name"):
-        nftrules.sandbox_chains(
+        sandbox_chains(
             'egsb" accept #', "198.51.100.5", "fd00::1",
             explicit_port=1, transparent_port=2, dns_port=3,
         )  # fmt: skip

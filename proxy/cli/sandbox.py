@@ -1,20 +1,26 @@
-"""The parser and entry point of `egress-proxy sandbox`; the options are
-proxy/boundary/sandbox/options.py and the sandbox itself proxy/boundary/sandbox/session.py
-(loaded only when it runs)."""
+"""The parser and entry point of `egress-proxy sandbox`: the command line read into Options
+(proxy/boundary/sandbox/options.py), then the sandbox itself (proxy/boundary/sandbox/
+session.py, loaded only when it runs)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-from collections.abc import Sequence
-from typing import Any, TextIO
+from collections.abc import Iterable
+from typing import Any, TextIO, TypeVar, overload
 
 from proxy.boundary.sandbox.options import (
     DEFAULT_POOL4_TEXT,
     DEFAULT_READY_TIMEOUT,
-    parse_options,
+    MAX_READY_TIMEOUT,
+    Options,
+    resolve_user,
+    usage_error,
 )
+from proxy.netaddr import parse_listen
+
+_N = TypeVar("_N")
 
 
 def add_sandbox_parser(sub: Any) -> None:
@@ -70,9 +76,18 @@ def _command_after_double_dash(parser: argparse.ArgumentParser) -> None:
     reached through the subcommand dispatch, so its own parse_known_args is wrapped."""
     parse = parser.parse_known_args
 
+    # The overloads are ArgumentParser.parse_known_args's own: this replaces it on one parser.
+    @overload
     def parse_known_args(
-        args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
-    ) -> tuple[argparse.Namespace, list[str]]:
+        args: Iterable[str] | None = None, namespace: None = None
+    ) -> tuple[argparse.Namespace, list[str]]: ...
+    @overload
+    def parse_known_args(args: Iterable[str] | None, namespace: _N) -> tuple[_N, list[str]]: ...
+    @overload
+    def parse_known_args(*, namespace: _N) -> tuple[_N, list[str]]: ...
+    def parse_known_args(
+        args: Iterable[str] | None = None, namespace: Any = None
+    ) -> tuple[Any, list[str]]:
         words = list(sys.argv[1:] if args is None else args)
         if "--" not in words:
             return parse(words, namespace)
@@ -84,28 +99,73 @@ def _command_after_double_dash(parser: argparse.ArgumentParser) -> None:
         parsed.command_argv = words[cut + 1 :]
         return parsed, extra
 
+    # Deliberate: the subcommand dispatch calls this one parser's method, which no public
+    # argparse hook replaces (splitting argv at `--` in main() would make this unneeded).
     parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
+
+
+def options_from(args: argparse.Namespace, environ: dict[str, str]) -> Options:
+    """The sandbox's Options from its command line; PolicyError('usage') for what cannot be."""
+    command = list(args.command_argv)
+    if not command:
+        raise usage_error("no COMMAND; write: egress-proxy sandbox MANIFEST [options] -- COMMAND")
+    for name in ("manifest", "ceiling", "config"):
+        if getattr(args, name) == "-":
+            # Standard input belongs to COMMAND, and the proxy re-reads its files on SIGHUP.
+            shown = "MANIFEST" if name == "manifest" else f"--{name}"
+            raise usage_error(f"{shown} must be a file: standard input is COMMAND's")
+    timeout = args.ready_timeout
+    if not 0 < timeout <= MAX_READY_TIMEOUT:
+        raise usage_error(f"--ready-timeout must be more than 0 and at most {MAX_READY_TIMEOUT:g}")
+    admin = parse_listen(args.admin) if args.admin else ("127.0.0.1", 0)
+    from proxy.boundary.sandbox import net as sandbox_net
+
+    subnet4 = sandbox_net.parse_subnet(args.subnet4, 4, "--subnet4") if args.subnet4 else None
+    subnet6 = sandbox_net.parse_subnet(args.subnet6, 6, "--subnet6") if args.subnet6 else None
+    return Options(
+        manifest=os.path.abspath(args.manifest),
+        ceiling=_absolute(args.ceiling),
+        config=_absolute(args.config),
+        format=args.format,
+        run_as=resolve_user(args.user, environ),
+        subnet4=subnet4,
+        subnet6=subnet6,
+        session_id=args.session_id,
+        audit_log=_absolute(args.audit_log),
+        admin=admin,
+        ready_timeout=timeout,
+        nft=args.nft or "nft",
+        status_file=_absolute(args.status_file),
+        quiet=args.quiet,
+        command=tuple(command),
+    )
+
+
+def _absolute(path: str | None) -> str | None:
+    return os.path.abspath(path) if path else None
 
 
 def cmd_sandbox(args: argparse.Namespace, out: TextIO, err: TextIO | None = None) -> int:
     """Parse, compile the policy (a manifest that does not compile stops everything before
     anything is created, reported by the CLI as `check` and `run` do), check privileges, run."""
     from proxy.app import inputs
-    from proxy.boundary.sandbox import session as sandbox
+    from proxy.boundary.sandbox.outcome import EXIT_PRIVILEGES, PREFIX
+    from proxy.boundary.sandbox.preflight import missing_capabilities
+    from proxy.boundary.sandbox.session import Sandbox
 
     err = err or sys.stderr
-    options = parse_options(args, dict(os.environ))
+    options = options_from(args, dict(os.environ))
     inputs.compile_inputs(
         inputs.read_inputs(
             options.manifest, ceiling=options.ceiling, config=options.config,
-            format=options.format,  # type: ignore[arg-type]
+            format=options.format,
         )
     )  # fmt: skip
-    missing = sandbox.missing_capabilities()
+    missing = missing_capabilities()
     if missing:
         err.write(
-            f"{sandbox.PREFIX}: error: missing {', '.join(missing)}: run it as root (sudo) or "
+            f"{PREFIX}: error: missing {', '.join(missing)}: run it as root (sudo) or "
             "grant them; nothing was created\n"
         )
-        return sandbox.EXIT_PRIVILEGES
-    return sandbox.Sandbox(options, err).run()
+        return EXIT_PRIVILEGES
+    return Sandbox(options, err).run()

@@ -9,8 +9,8 @@ namespace with its veth pair (created and deleted with `ip`).
 
 The session's addresses can route nowhere but the host side of its own veth: by default an IPv4
 /30 from link-local space (never forwarded by a router) and a random IPv6 ULA /64. The namespace
-reaches only the host side; the host-side nftables rules (proxy/nftrules.py) decide what of that
-is answered.
+reaches only the host side; the host-side nftables rules (proxy/boundary/nft/sandbox.py) decide
+what of that is answered.
 """
 
 from __future__ import annotations
@@ -153,7 +153,10 @@ def networks_in_use(ip: str) -> list[IPNetwork]:
     """Every address (as its network) and route destination on the host, from `ip -j`."""
     found: list[IPNetwork] = []
     for interface in _ip_json(ip, "addr", "show"):
-        for info in interface.get("addr_info", []):
+        infos = interface.get("addr_info")
+        for info in infos if isinstance(infos, list) else []:
+            if not isinstance(info, dict):
+                continue
             local, prefix = info.get("local"), info.get("prefixlen")
             if isinstance(local, str) and isinstance(prefix, int):
                 try:
