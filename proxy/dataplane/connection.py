@@ -23,7 +23,14 @@ from proxy.decide.events import CloseEvent
 from proxy.decide.vetting import Peer
 from proxy.net.bytecount import Counter
 from proxy.net.relay import Relay
-from proxy.reasons import HEADER_TIMEOUT, INTERNAL_ERROR, OVERLOAD, Refused, refusal_response
+from proxy.reasons import (
+    HEADER_TIMEOUT,
+    INSPECTION_UNSUPPORTED,
+    INTERNAL_ERROR,
+    OVERLOAD,
+    Refused,
+    refusal_response,
+)
 
 if TYPE_CHECKING:
     from proxy.decide.events import AuditSink, MetricsSink
@@ -375,6 +382,15 @@ class Door:
     def is_own(self, address: str, port: int) -> bool:
         """Whether address:port is one of our listeners (a wildcard one on any address)."""
         return port in self.own_ports or (address, port) in self.own
+
+    async def intercept(self, connection: Connection) -> None:
+        """Gives a TLS connection whose host needs inspection to the interception engine: its
+        ClientHello passed the SNI gate (it is in `connection.buffer`), its destination is
+        decided (`connection.host`, `port`, `sni`, `target`). Not built yet: refused."""
+        refused = Refused(
+            403, INSPECTION_UNSUPPORTED, "this host's rules need TLS inspection, not available here"
+        )
+        connection.refuse(refused, connection.host, connection.port, stage="name")
 
     async def hand_off(self, connection: Connection, prefix: bytes, scheme: str) -> None:
         """Gives `connection` to the interception engine (loaded now if it is not yet)."""
