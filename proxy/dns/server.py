@@ -35,7 +35,7 @@ import socket
 import uuid
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import dns.message
 
@@ -259,17 +259,19 @@ class _UdpProtocol(asyncio.DatagramProtocol):
         self.transport: asyncio.DatagramTransport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.DatagramTransport)
-        self.transport = transport
+        # uvloop's transports do not derive from asyncio's classes: no isinstance check.
+        self.transport = cast(asyncio.DatagramTransport, transport)
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
         try:
-            self._received(data, (str(addr[0]), int(addr[1])))
+            self._received(data, addr)
         except Exception:
             logger.exception("egress: a DNS datagram could not be handled")
 
-    def _received(self, data: bytes, client: tuple[str, int]) -> None:
+    def _received(self, data: bytes, addr: Any) -> None:
+        """`addr` as the socket gave it (an IPv6 one with its flow and scope), for the answer."""
         server, responder = self.server, self.server.responder
+        client = (str(addr[0]), int(addr[1]))
         peer = Peer(client, uuid.uuid4().hex)
         if server.is_own(*client):
             message = "a DNS message from this server's own address: never answered"
@@ -278,26 +280,26 @@ class _UdpProtocol(asyncio.DatagramProtocol):
         read = server.read(data, peer)
         if read is None or isinstance(read, bytes):
             if read is not None:
-                self._send(read, client)
+                self._send(read, addr)
             return
         if not server.admit():
             message = "too many DNS queries in flight: dropped"
             responder.refuse_message(peer, OVERLOAD, message, rcode=None)
             return
-        server.spawn(self._answer(*read, peer, client))
+        server.spawn(self._answer(*read, peer, addr))
 
     async def _answer(
-        self, message: dns.message.Message, query: DnsQuery, peer: Peer, client: tuple[str, int]
+        self, message: dns.message.Message, query: DnsQuery, peer: Peer, addr: Any
     ) -> None:
         try:
-            self._send(await self.server.answer(message, query, peer, udp_limit(message)), client)
+            self._send(await self.server.answer(message, query, peer, udp_limit(message)), addr)
         finally:
             self.server.release()
 
-    def _send(self, wire: bytes, client: tuple[str, int]) -> None:
+    def _send(self, wire: bytes, addr: Any) -> None:
         transport = self.transport
         if transport is not None and not transport.is_closing():
-            transport.sendto(wire, client)
+            transport.sendto(wire, addr)
 
     def error_received(self, exc: Exception) -> None:
         pass  # an ICMP error about a client that went away: nothing to do

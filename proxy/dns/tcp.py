@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import struct
 import uuid
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from proxy.decide.vetting import Peer
 from proxy.dns.answers import DNS_MALFORMED
@@ -109,14 +109,14 @@ class TcpConnection(asyncio.Protocol):
     # -- asyncio's callbacks -----------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-        self.peer = Peer(_client(transport.get_extra_info("peername")), self.peer.connection)
+        # uvloop's transports do not derive from asyncio's classes: no isinstance check.
+        self.transport = stream = cast(asyncio.Transport, transport)
+        self.peer = Peer(_client(stream.get_extra_info("peername")), self.peer.connection)
         if not self.server.tcp_opened(self):
             self._closed = True
-            transport.abort()
+            stream.abort()
             return
-        transport.set_write_buffer_limits(high=WRITE_HIGH)
+        stream.set_write_buffer_limits(high=WRITE_HIGH)
         self._update()
 
     def data_received(self, data: bytes) -> None:
@@ -163,6 +163,7 @@ class TcpConnection(asyncio.Protocol):
 
     def abort(self) -> None:
         self._closed = True
+        self.server.tcp_closed(self)
         if self.transport is not None:
             self.transport.abort()
 
@@ -289,6 +290,7 @@ class TcpConnection(asyncio.Protocol):
 
     def _close(self) -> None:
         self._disarm()
+        self.server.tcp_closed(self)  # at once: its place is free for the next client
         if not self._closed and self.transport is not None:
             self._closed = True
             self.transport.close()  # answers already written still go out

@@ -151,12 +151,15 @@ async def ask(
     qname: dns.name.Name,
     rdtypes: Iterable[int],
     timeout: float,
+    *,
+    tcp_timeout: float | None = None,
 ) -> dict[int, Reply]:
-    """Ask `nameserver` every type of `rdtypes` about `qname` within `timeout` seconds: the
-    replies by type (a truncated UDP answer asked again over TCP, in what time is left); a type
-    missing from the result got no answer in time."""
+    """Ask `nameserver` every type of `rdtypes` about `qname`, waiting `timeout` seconds for
+    the UDP answers: the replies by type (a truncated answer asked again over TCP, within
+    `tcp_timeout` seconds of the start, default `timeout`); a type missing from the result got
+    no answer in time."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
+    deadline = loop.time() + (timeout if tcp_timeout is None else max(timeout, tcp_timeout))
     questions = _questions(qname, rdtypes)
     replies = await _udp(nameserver, qname, questions, timeout)
     for question in questions.values():

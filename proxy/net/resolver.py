@@ -304,7 +304,8 @@ class Resolver:
                 remaining = deadline - loop.time()
                 if not todo or remaining <= 0:
                     continue
-                replies = await ask(nameserver, qname, todo, min(self.attempt_timeout, remaining))
+                attempt = min(self.attempt_timeout, remaining)
+                replies = await ask(nameserver, qname, todo, attempt, tcp_timeout=remaining)
                 for rdtype, reply in replies.items():
                     if isinstance(reply, Failed):
                         failed[rdtype].add(nameserver)
