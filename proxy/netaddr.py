@@ -4,7 +4,9 @@ because the proxy never lets the OS resolve a name.
 
 Proxy listeners as `--listen` writes them: `HOST:PORT` (an HTTP proxy), `http://HOST:PORT`,
 `socks5://HOST:PORT` or `transparent://HOST:PORT`; and the DNS listeners of `--dns-listen
-HOST:PORT`. Several may be given; each serves the same policy."""
+HOST:PORT`. Several may be given; each serves the same policy. `own_listener` says whether an
+address and port reach one of them (every address of a wildcard bind included): the proxy's own
+listeners are never a destination (DESIGN 3.10)."""
 
 from __future__ import annotations
 
