@@ -4,12 +4,16 @@ because the proxy never lets the OS resolve a name.
 
 Proxy listeners as `--listen` writes them: `HOST:PORT` (an HTTP proxy), `http://HOST:PORT`,
 `socks5://HOST:PORT` or `transparent://HOST:PORT`; and the DNS listeners of `--dns-listen
-HOST:PORT`. Several may be given; each serves the same policy."""
+HOST:PORT`. Several may be given; each serves the same policy. `own_listener` says whether an
+address and port reach one of them (every address of a wildcard bind included): the proxy's own
+listeners are never a destination (DESIGN 3.10)."""
 
 from __future__ import annotations
 
 import ipaddress
 import re
+import socket
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TypeGuard
 
@@ -62,11 +66,12 @@ def parse_dns_listener(text: str) -> Listener:
 def check_listeners(listeners: list[Listener], *, engine_only: bool = False) -> None:
     """Two listeners on one address would fail to bind later, less clearly. A DNS listener
     takes its port for TCP too, so it clashes with a proxy listener on the same address. Port
-    0 picks a free port for each listener, except that mitmproxy refuses port 0 twice on one
-    host: it serves the DNS listeners, and with `--engine-only` every listener."""
+    0 picks a free port for each listener (a DNS listener one port free for UDP and TCP both),
+    except that mitmproxy refuses port 0 twice on one host: with `--engine-only` it serves every
+    proxy listener (never the DNS ones)."""
     seen: dict[tuple[str, int], Listener] = {}
     for listener in listeners:
-        in_engine = engine_only or listener.scheme == "dns"
+        in_engine = engine_only and listener.scheme != "dns"
         if not listener.port and not in_engine:
             continue
         key = (listener.host, listener.port)
@@ -77,6 +82,43 @@ def check_listeners(listeners: list[Listener], *, engine_only: bool = False) -> 
                 + (" (give each its own port)" if not listener.port else ""),
             )
         seen[key] = listener
+
+
+WILDCARDS = {4: "0.0.0.0", 6: "::"}
+
+
+def own_listener(listeners: Iterable[Listener], address: str, port: int) -> Listener | None:
+    """The listener of `listeners` that a packet or connection to address:port would reach:
+    one bound to that address and port, or a wildcard one (`0.0.0.0`, `[::]`) on that port
+    when the address is one of this host's. An IPv4-mapped IPv6 address counts as its IPv4
+    address; an address that does not parse is no listener's."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    text, wildcard = str(ip), WILDCARDS[ip.version]
+    for listener in listeners:
+        if listener.port != port:
+            continue
+        if listener.host == text or (listener.host == wildcard and _is_local(ip)):
+            return listener
+    return None
+
+
+def _is_local(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Whether `ip` is an address of this host: loopback, or one a socket can bind to (the
+    kernel's own answer, for every interface, including ones added after start-up)."""
+    if ip.is_loopback:
+        return True
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.bind((str(ip), 0))
+    except OSError:
+        return False
+    return True
 
 
 # --------------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ as its import finishes, so what the process imported so far can be read at any m
   the engine (`egress_engine_loaded 1`) and is served.
 - A manifest with URL-prefix rules loads the engine at start, before any connection.
 - `--engine-only` serves CONNECT with the engine itself (audit plane l7).
+- `--dns-listen` is served by our own DNS server: a session that answered DNS over UDP and TCP
+  (and served a tunnel) has never imported mitmproxy.
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from dns import message as dnsmessage
+from dns import query as dnsquery
 from dns_server import DNSServer
 from running import (
     HELLO,
+    LOOPBACK,
     HTTPUpstream,
     RunningProxy,
     curl,
@@ -147,4 +152,28 @@ def test_engine_only_serves_connect_on_the_l7_plane(
         metrics = proxy.metrics()
         assert metric_value(metrics, "egress_connections_total", plane="l7") == 2
         assert metric_value(metrics, "egress_connections_total", plane="l4") is None
+    assert proxy.returncode == 0
+
+
+def test_a_dns_responder_session_never_imports_mitmproxy(
+    tmp_path: Path, dns: DNSServer, upstream: TLSUpstream
+) -> None:
+    args = ("--dns-listen", f"{LOOPBACK}:0", "--dns-listen", "[::1]:0")
+    with RunningProxy(
+        tmp_path / "run", MANIFEST, dns=dns, python_flags=IMPORTTIME, args=args
+    ) as proxy:
+        assert "proxy.dns.server" in imported_modules(proxy.stderr())  # the flag took effect
+        port = int(proxy.stderr().split(f"dns://{LOOPBACK}:")[1].split()[0])
+        port6 = int(proxy.stderr().split("dns://[::1]:")[1].split()[0])
+        for name, rdtype in (("tls.test", "A"), ("denied.test", "A"), ("tls.test", "HTTPS")):
+            query = dnsmessage.make_query(name, rdtype)
+            udp = dnsquery.udp(query, LOOPBACK, port=port, timeout=5)
+            tcp = dnsquery.tcp(query, "::1", port=port6, timeout=5)
+            assert udp.rcode() == tcp.rcode() and udp.answer == tcp.answer
+        assert [str(r) for rrset in udp.answer for r in rrset] == []  # HTTPS: no records
+        allowed_and_denied_tunnels(proxy, upstream)
+        # Per transport: name and address lines for tls.test, one line for each other query.
+        assert len([x for x in proxy.decisions() if x["protocol"] == "dns"]) == 8
+        assert mitmproxy_modules(proxy) == []
+        assert engine_loaded(proxy) == 0
     assert proxy.returncode == 0

@@ -70,10 +70,13 @@ def test_bad_listeners_are_refused(text: str, message: str) -> None:
         (["transparent://[::1]:15001", "dns:[::1]:15001"], False, True),
         (["transparent://127.0.0.1:15001", "http://127.0.0.1:15001"], False, True),
         (["transparent://127.0.0.1:15001", "transparent://[::1]:15001"], False, False),
-        # Port 0: a free port each, except twice on one host in mitmproxy.
+        # Port 0: a free port each (a DNS listener one free for UDP and TCP both), except twice
+        # on one host for the listeners mitmproxy serves under --engine-only (never DNS ones).
         (["http://127.0.0.1:0", "transparent://127.0.0.1:0", "dns:127.0.0.1:0"], False, False),
-        (["dns:127.0.0.1:0", "dns:127.0.0.1:0"], False, True),
+        (["dns:127.0.0.1:0", "dns:127.0.0.1:0"], False, False),
+        (["dns:127.0.0.1:0", "dns:127.0.0.1:0", "http://127.0.0.1:0"], True, False),
         (["dns:127.0.0.1:0", "dns:[::1]:0"], False, False),
+        (["dns:127.0.0.1:5353", "dns:127.0.0.1:5353"], False, True),
         (["http://127.0.0.1:0", "socks5://127.0.0.1:0"], True, True),
     ],
 )

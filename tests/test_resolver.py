@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import dns.flags
+import dns.message
+import dns.rrset
 import pytest
 from dns_server import DNSServer, running_dns_server
 
@@ -371,6 +376,84 @@ async def test_nothing_hands_a_name_to_the_os(
     assert server.count("many.test", "A", "tcp") == 1
 
 
+# -- hostile nameservers -----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def udp_nameserver(reply: Callable[[dns.message.Message], list[bytes]]) -> Iterator[int]:
+    """A UDP nameserver on 127.0.0.1 that sends `reply(query)`'s datagrams for each query (no
+    TCP listener on its port); yields its port."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.settimeout(0.1)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                data, peer = sock.recvfrom(4096)
+            except TimeoutError:
+                continue
+            for datagram in reply(dns.message.from_wire(data)):
+                sock.sendto(datagram, peer)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join(5)
+        sock.close()
+
+
+def answer_to(query: dns.message.Message, address: str = "192.0.2.1") -> dns.message.Message:
+    response = dns.message.make_response(query)
+    question = query.question[0]
+    value = address if question.rdtype == 1 else "2001:db8::1"
+    response.answer.append(dns.rrset.from_text(question.name, 60, "IN", question.rdtype, value))
+    return response
+
+
+@pytest.mark.asyncio
+async def test_datagrams_that_are_not_the_answer_are_ignored() -> None:
+    """Before each real answer: bytes that are no message, a message with another id, one for
+    another name, one for another type, a query (QR clear): none of them is taken."""
+
+    def reply(query: dns.message.Message) -> list[bytes]:
+        wrong_id = answer_to(query, "192.0.2.66")
+        wrong_id.id = (query.id + 1) % 65536
+        other_name = answer_to(
+            dns.message.make_query("evil.test", query.question[0].rdtype), "192.0.2.68"
+        )
+        other_name.id = query.id
+        other_type = dns.message.make_response(dns.message.make_query(query.question[0].name, "MX"))
+        other_type.id = query.id
+        not_a_response = answer_to(query, "192.0.2.67")
+        not_a_response.flags &= ~dns.flags.QR
+        noise = [query.id.to_bytes(2, "big") + b"\xff" * 30, wrong_id.to_wire()]
+        noise += [other_name.to_wire(), other_type.to_wire(), not_a_response.to_wire()]
+        return [*noise, answer_to(query).to_wire()]
+
+    with udp_nameserver(reply) as port:
+        answer = await Resolver([("127.0.0.1", port)], 1.0).resolve("real.test")
+    assert answer.addresses == ("192.0.2.1", "2001:db8::1")
+
+
+@pytest.mark.asyncio
+async def test_a_truncated_answer_from_a_nameserver_without_tcp_is_a_dns_error() -> None:
+    def reply(query: dns.message.Message) -> list[bytes]:
+        response = dns.message.make_response(query)
+        response.flags |= dns.flags.TC
+        return [response.to_wire()]
+
+    with udp_nameserver(reply) as port:
+        resolver = Resolver([("127.0.0.1", port)], 2.0)
+        started = time.monotonic()
+        assert await refused(resolver, "big.test") == "dns_error"
+    assert time.monotonic() - started < 1.0  # refused at once, not a timeout
+
+
 # -- configuration ---------------------------------------------------------------------------
 
 
@@ -389,7 +472,39 @@ def test_from_config_reads_resolv_conf(tmp_path: Path) -> None:
     conf.write_text("search corp.example\nnameserver 192.0.2.53\nnameserver 2001:db8::53\n")
     resolver = Resolver.from_config(Config(), resolv_conf=str(conf))
     assert resolver.nameservers == (("192.0.2.53", 53), ("2001:db8::53", 53))
-    assert resolver._resolver.search == []
+
+
+def test_resolv_conf_as_the_c_library_reads_it(tmp_path: Path) -> None:
+    conf = tmp_path / "resolv.conf"
+    conf.write_text(
+        "# nameserver 192.0.2.1\n; nameserver 192.0.2.2\n  nameserver   192.0.2.3  # note\n"
+        "options ndots:5 rotate\nnameserver\nnameservers 192.0.2.4\nnameserver fe80::1%eth0\n"
+    )
+    resolver = Resolver.from_config(Config(), resolv_conf=str(conf))
+    assert resolver.nameservers == (("192.0.2.3", 53), ("fe80::1%eth0", 53))
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "cannot read"),
+        ("search corp.example\n", "names no nameserver"),
+        ("nameserver 192.0.2.1\nnameserver dns.example\n", "resolv.conf:2: nameserver"),
+        ("# big\n" * 20_000, "larger than"),
+        (b"nameserver 192.0.2.1\xff\n", "resolv.conf:1: nameserver"),
+    ],
+)
+def test_unusable_resolv_conf_is_a_config_error_naming_the_line(
+    tmp_path: Path, content: str | bytes | None, message: str
+) -> None:
+    conf = tmp_path / "resolv.conf"
+    if isinstance(content, bytes):
+        conf.write_bytes(content)
+    elif content is not None:
+        conf.write_text(content)
+    with pytest.raises(ProxyError) as info:
+        Resolver.from_config(Config(), resolv_conf=str(conf))
+    assert info.value.reason == "dns_config" and message in info.value.message
 
 
 @pytest.mark.parametrize("content", [None, "search corp.example\n"])

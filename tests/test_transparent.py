@@ -119,4 +119,4 @@ table inet egress_test {{
         assert results["dns_denied"] == {"rcode": "REFUSED", "addresses": []}
         assert results["dns_denied_queries"] == 0
         assert ("l4", "connect", "allow", "allowed") in reasons
-        assert ("l7", "dns", "deny", "not_allowed") in reasons
+        assert ("l4", "dns", "deny", "not_allowed") in reasons

@@ -5,12 +5,13 @@
                admin=("127.0.0.1", 9901))
 
 Start-up order: read and compile everything (a PolicyError here is reported by the CLI with the
-same exit codes as `check`), open the audit log; when the policy has URL-prefix rules or there
-are DNS listeners (`dns_listen`), load the L7 engine and its inspection CA (created on first
-start); bind the admin listener, start the engine's DNS listeners (mitmproxy's DNS mode, UDP and
-TCP: proxy/dns_mode.py), bind the front door's listeners (proxy/frontdoor.py: the fast path,
-which hands everything else to the engine, loaded then if not yet; explicit and transparent
-listeners side by side), then mark the proxy ready. A CA problem exits before anything
+same exit codes as `check`), open the audit log; when the policy has URL-prefix rules, load the
+L7 engine and its inspection CA (created on first start); bind the admin listener, the DNS
+listeners (`dns_listen`: our own UDP and TCP server, proxy/dns/server.py, which never loads the
+engine), the front door's listeners (proxy/dataplane/frontdoor.py: the fast path, which hands
+everything else to the engine, loaded then if not yet; explicit and transparent listeners side
+by side), refuse a nameserver that is one of those listeners (the proxy would ask itself),
+then mark the proxy ready. A CA problem exits before anything
 listens; a bind failure stops whatever was already started and exits 2. With `--engine-only`
 the engine is loaded at start and listens itself (no fast path).
 
@@ -24,10 +25,11 @@ Signals (handled on the event loop):
   stderr and counts a failed reload. The new policy applies to every later decision, and live
   client connections (CONNECT tunnels, keep-alive plain HTTP) with a destination it denies are
   closed (`FrontDoor.set_policy`, `Engine.set_policy`; their close lines say
-  `policy_reload`). `limits` apply from start-up only; a changed DNS configuration takes effect
-  with a new resolver. Turning
-  inspection on, or changing its CA directory or upstream bundle, needs a restart (the reload
-  fails and says so); turning it off closes the intercepted connections.
+  `policy_reload`); the DNS listeners answer with the new policy and resolver. `limits` apply
+  from start-up only; a changed DNS configuration takes effect with a new resolver (refused,
+  keeping the old one, when a nameserver is one of our own listeners). Turning inspection on,
+  or changing its CA directory or upstream bundle, needs a restart (the reload fails and says
+  so); turning it off closes the intercepted connections.
 """
 
 from __future__ import annotations
@@ -46,9 +48,11 @@ from policy import Policy, PolicyError
 from proxy.app.inputs import Compiled, Inputs, compile_inputs
 from proxy.dataplane.frontdoor import FrontDoor
 from proxy.decide.vetting import Vetter
+from proxy.dns.answers import DnsResponder
+from proxy.dns.server import DnsServer, ServerLimits
 from proxy.errors import ProxyError
 from proxy.net.resolver import Resolver
-from proxy.netaddr import Listener, format_listen
+from proxy.netaddr import Listener, format_listen, own_listener
 from proxy.ops.admin import AdminServer, Readiness
 from proxy.ops.audit import AuditLog
 from proxy.ops.metrics import Metrics
@@ -99,6 +103,7 @@ class Runtime:
         self.readiness = Readiness()
         self.engine: Engine | None = None
         self.front: FrontDoor | None = None
+        self.dns: DnsServer | None = None
         self.resolver: Resolver | None = None
         self._engine_lock = asyncio.Lock()
         self.admin: AdminServer | None = None
@@ -107,6 +112,7 @@ class Runtime:
         self._hurry = asyncio.Event()
         self._reload_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._own: tuple[Listener, ...] = ()  # every listener, as bound
 
     # -- output --------------------------------------------------------------------------------
 
@@ -154,21 +160,20 @@ class Runtime:
         self.resolver = resolver
         try:
             ca = None
-            if self.engine_only or self.compiled.policy.has_url_rules or self.dns_listen:
-                # The policy can need the engine (per-request paths, inspection), or the engine
-                # serves the DNS listeners: load it now, with its CA, so any problem stops
-                # start-up before anything listens.
+            if self.engine_only or self.compiled.policy.has_url_rules:
+                # The policy can need the engine (per-request paths, inspection): load it now,
+                # with its CA, so any problem stops start-up before anything listens.
                 ca = self._new_engine().prepare()
             self.admin = AdminServer(self.readiness, self.metrics.render)
             admin_host, admin_port = await self.admin.start(*self.admin_address)
+            dns_bound = await self._start_dns(resolver)
             if self.engine_only:
-                listeners = await self._start_engine(listeners=[*self.listen, *self.dns_listen])
+                listeners = (*await self._start_engine(listeners=self.listen), *dns_bound)
             else:
-                dns_bound: tuple[Listener, ...] = ()
                 if self.engine is not None:
-                    # Bound before the front door: the engine's DNS listeners (UDP and TCP),
-                    # or none.
-                    dns_bound = await self._start_engine(listeners=self.dns_listen)
+                    # The policy needs the engine: started now, listening for nothing (the
+                    # front door hands it its connections).
+                    await self._start_engine(listeners=[])
                 self.front = FrontDoor(
                     Vetter(self.compiled.policy, resolver, self.metrics, self.audit, plane="l4"),
                     config,
@@ -178,6 +183,8 @@ class Runtime:
                 )
                 listeners = (*await self.front.start(self.listen), *dns_bound)
             # Every listener, the DNS ones included, is bound from here.
+            self._own = (*listeners, Listener("admin", admin_host, admin_port))
+            _refuse_own_nameservers(resolver, self._own)
             self.readiness.set("listeners_bound", True)
             # Set here because nothing in this process can verify the sandbox boundary (that the
             # agent cannot bypass this proxy); the sandbox shapes (issue 5) verify it and will
@@ -196,6 +203,19 @@ class Runtime:
             return 0
         finally:
             await self._shutdown()
+
+    # -- the DNS listeners ----------------------------------------------------------------------
+
+    async def _start_dns(self, resolver: Resolver) -> tuple[Listener, ...]:
+        if not self.dns_listen:
+            return ()
+        limits = self.compiled.config.limits
+        vetter = Vetter(self.compiled.policy, resolver, self.metrics, self.audit, plane="l4")
+        self.dns = DnsServer(
+            DnsResponder(vetter, self.metrics),
+            ServerLimits(header_timeout=limits.header_timeout, idle_timeout=limits.idle_timeout),
+        )
+        return await self.dns.start(self.dns_listen)
 
     # -- the engine, loaded when first needed --------------------------------------------------
 
@@ -289,6 +309,9 @@ class Runtime:
         if self.front is not None:
             with contextlib.suppress(Exception):
                 await self.front.drain(0)
+        if self.dns is not None:
+            with contextlib.suppress(Exception):
+                await self.dns.stop()
         if self.engine is not None:
             with contextlib.suppress(Exception):
                 await self.engine.stop()
@@ -320,7 +343,9 @@ class Runtime:
                     f"{type(exc).__name__}: {str(exc)[:200]}), keeping the previous policy"
                 )
                 return False
-            if (self.engine is None and self.front is None) or self._stop.is_set():
+            if (self.engine is None and self.front is None and self.dns is None) or (
+                self._stop.is_set()
+            ):
                 return False
             old = self.compiled.config
             new = compiled.config
@@ -332,6 +357,7 @@ class Runtime:
             if (old.nameservers, old.dns_timeout) != (new.nameservers, new.dns_timeout):
                 try:
                     resolver = Resolver.from_config(new)
+                    _refuse_own_nameservers(resolver, self._own)
                 except Exception as exc:
                     self.metrics.reload(ok=False)
                     self.say(f"reload failed, keeping the previous policy: {exc}")
@@ -341,11 +367,15 @@ class Runtime:
                     self.front.vetter.resolver = resolver
                 if self.engine is not None:
                     self.engine.addon.resolver = resolver
+                if self.dns is not None:
+                    self.dns.set_resolver(resolver)
             closed: list[str] = []
             if self.front is not None:
                 closed += self.front.set_policy(compiled.policy)
             if self.engine is not None:
                 closed += self.engine.set_policy(compiled.policy)
+            if self.dns is not None:
+                self.dns.set_policy(compiled.policy)
             self.compiled = compiled
             self.metrics.reload(ok=True)
             self.warn_findings(compiled.policy)
@@ -380,6 +410,19 @@ def _try_it(listener: Listener) -> str:
     return f"curl {option}{where} https://pypi.org/simple/"
 
 
+def _refuse_own_nameservers(resolver: Resolver, own: Sequence[Listener]) -> None:
+    """A nameserver that is one of our own listeners would have the proxy ask itself (a DNS
+    listener: every lookup a query to ourselves, answered by asking ourselves again)."""
+    for address, port in resolver.nameservers:
+        listener = own_listener(own, address, port)
+        if listener is not None:
+            raise ProxyError(
+                "dns_config",
+                f"nameserver {format_listen(address, port)} is this proxy's own listener "
+                f"{listener}: name a DNS server it does not serve itself",
+            )
+
+
 def _needs_restart(old: Config, new: Config) -> str | None:
     """What a reload cannot change in a running engine (mitmproxy's TLS set-up is made once)."""
     if old.operator.inspection_enabled != new.operator.inspection_enabled and (
@@ -407,8 +450,7 @@ def run(
     dns_listen: Sequence[Listener] = (),
 ) -> int:
     """Serve until SIGTERM/SIGINT; 0 after a clean drain. Raises ProxyError on bind failures.
-    `dns_listen`: the DNS responder's listeners (Listener("dns", host, port)), served by the
-    engine, which is then loaded at start."""
+    `dns_listen`: the DNS responder's listeners (Listener("dns", host, port)), UDP and TCP."""
 
     async def main() -> int:
         runtime = Runtime(

@@ -1,5 +1,5 @@
-"""What the DNS responder (`egress-proxy run --dns-listen HOST:PORT`) answers, decided without
-mitmproxy: the engine's DNS mode (proxy/dns_mode.py) only translates its messages to and from
+"""What the DNS responder (`egress-proxy run --dns-listen HOST:PORT`) answers: the server
+(proxy/dns/server.py, messages in proxy/dns/wire.py) only translates its messages to and from
 these values.
 
     responder = DnsResponder(vetter, metrics)
@@ -23,8 +23,9 @@ addresses a client is given are the very ones the proxy checks when it connects:
   address is NOERROR without records, any other DNS failure (timeout, SERVFAIL upstream) is
   SERVFAIL;
 - an allowed name, any other type (TXT, MX, HTTPS, SVCB, ANY, ...): NOERROR without records
-  (reason `dns_qtype_not_served`: nothing is resolved or forwarded; clients asking HTTPS/SVCB
-  fall back to A/AAAA);
+  (reason `dns_qtype_not_served`: nothing is resolved or forwarded). For HTTPS and SVCB this
+  also means an agent inside our boundary learns no ECH configuration from our DNS (clients
+  fall back to A/AAAA and a ClientHello whose SNI is the real name);
 - another opcode (NOTIFY, UPDATE, ...): NOTIMP; another class (CH, HS, ...): REFUSED; no or
   several questions: FORMERR; an exception anywhere: SERVFAIL (reason `internal_error`).
 
@@ -81,10 +82,11 @@ DNS_NOT_A_QUERY = "dns_not_a_query"
 # anyway, so a client's cached address never decides where a connection goes.
 ANSWER_TTL = 30
 # A UDP answer larger than this is sent truncated (TC, no records), and the client asks again
-# over TCP: the classic limit, since our answers carry no EDNS record.
+# over TCP: the classic limit, for a query without an EDNS record (one with it offers its own
+# payload size, which proxy/dns/wire.py caps).
 UDP_ANSWER_LIMIT = 512
 
-_FAMILY = {A: 4, AAAA: 6}
+_FAMILY: dict[int, int] = {A: 4, AAAA: 6}
 # DNS failures of the resolver that have an answer of their own (every other one is SERVFAIL).
 _DNS_FAILURE_RCODES = {"dns_nxdomain": NXDOMAIN, "dns_no_address": NOERROR}
 
@@ -116,14 +118,14 @@ class DnsAnswer:
 def qtype_text(qtype: int) -> str:
     """`A`, `AAAA`, `TXT`, ... or `TYPE65280` for an unknown number (bounded: a 16-bit type)."""
     try:
-        return dns.rdatatype.to_text(qtype)
+        return dns.rdatatype.to_text(dns.rdatatype.RdataType.make(qtype))
     except Exception:
         return "invalid"
 
 
 def rcode_text(rcode: int) -> str:
     try:
-        return dns.rcode.to_text(rcode)
+        return dns.rcode.to_text(dns.rcode.Rcode.make(rcode))
     except Exception:
         return "invalid"
 
@@ -257,13 +259,13 @@ _REQUEST_REASONS = frozenset(
 
 def _opcode_text(opcode: int) -> str:
     try:
-        return dns.opcode.to_text(opcode)
+        return dns.opcode.to_text(dns.opcode.Opcode.make(opcode))
     except Exception:
         return str(opcode)
 
 
 def _class_text(qclass: int) -> str:
     try:
-        return dns.rdataclass.to_text(qclass)
+        return dns.rdataclass.to_text(dns.rdataclass.RdataClass.make(qclass))
     except Exception:
         return str(qclass)

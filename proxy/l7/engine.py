@@ -7,9 +7,7 @@
 
 Behind the front door (`egress-proxy run` without `--engine-only`) the engine has no listener
 of its own: `Engine(..., fronted=True)`, `start(listeners=[])`, and the front door hands it each
-connection it does not serve itself with `handoff(sock, bytes_already_read, scheme)`. The DNS
-listeners (`--dns-listen`) are the engine's own even then: `start(listeners=[Listener("dns",
-...)])` serves mitmproxy's DNS mode, UDP and TCP, answered by proxy/dns_mode.py.
+connection it does not serve itself with `handoff(sock, bytes_already_read, scheme)`.
 
 The addon (`EgressAddon`) is thin: mitmproxy's hooks are translated into calls of the policy core
 (`Policy.decide`, `Policy.check_addresses`) and our resolver, and the answers back into
@@ -84,10 +82,8 @@ from mitmproxy.proxy.layers.http import _http1 as mitm_http1_layer
 from proxy.decide.events import CloseEvent
 from proxy.decide.sni_gate import check_hello
 from proxy.decide.vetting import Peer, Vetter, canonical_host
-from proxy.dns.answers import DnsResponder
 from proxy.errors import ProxyError
 from proxy.l7.ca import CertificateAuthority, check_upstream_ca, ensure_ca
-from proxy.l7.dns_mode import UDP_IDLE_SECONDS, DnsLayer, EgressDnsAddon, is_dns_client
 from proxy.l7.socks import (
     GENERAL_FAILURE,
     HOST_UNREACHABLE,
@@ -409,8 +405,6 @@ class EgressAddon:
 
     def client_connected(self, client: Client) -> None:
         try:
-            if is_dns_client(client):
-                return  # the DNS responder's (proxy/dns_mode.py): not a proxy connection
             if self.max_connections is not None and len(self._clients) >= self.max_connections:
                 self._reject_overload(client)
                 return
@@ -472,8 +466,6 @@ class EgressAddon:
 
     def client_disconnected(self, client: Client) -> None:
         try:
-            if is_dns_client(client):
-                return
             if client.id in self._rejected:
                 self._rejected.discard(client.id)
                 return
@@ -975,8 +967,6 @@ def _close_client(client_id: str, why: str) -> None:
 
 
 _original_socks5_layer = mode_servers.Socks5Instance.make_top_layer
-_original_dns_layer = mode_servers.DnsInstance.make_top_layer
-_original_udp_timeout = mitm_server.UDP_TIMEOUT
 
 
 def _make_socks5_layer(self: Any, context: Any) -> layer.Layer:
@@ -985,22 +975,12 @@ def _make_socks5_layer(self: Any, context: Any) -> layer.Layer:
     return EgressSocks5(context)
 
 
-def _make_dns_layer(self: Any, context: Any) -> layer.Layer:
-    """DnsInstance.make_top_layer while an engine runs: our DNS layer, which never forwards
-    (proxy/dns_mode.py)."""
-    engine = _running
-    if engine is None:
-        raise ProxyError("engine_stopped", "the engine is not running")
-    return DnsLayer(context, engine.dns_responder)
-
-
-_MODES = {"http": "regular", "socks5": "socks5", "transparent": "transparent", "dns": "dns"}
+_MODES = {"http": "regular", "socks5": "socks5", "transparent": "transparent"}
 
 
 def _mode_spec(listener: Listener) -> str:
-    """mitmproxy's mode spec for a listener: `regular@HOST:PORT`, `socks5@HOST:PORT`,
-    `dns@HOST:PORT`, ... (an IPv6 host unbracketed: mitmproxy splits host and port at the last
-    colon)."""
+    """mitmproxy's mode spec for a listener: `regular@HOST:PORT`, `socks5@HOST:PORT`, ... (an
+    IPv6 host unbracketed: mitmproxy splits host and port at the last colon)."""
     mode = _MODES[listener.scheme]
     return f"{mode}@{listener.host}:{listener.port}"
 
@@ -1035,8 +1015,7 @@ class Engine:
         fronted: bool = False,
     ) -> None:
         """`fronted`: connections come from the front door (`handoff`), which also enforces
-        limits.max_connections over both planes; the engine listens itself only for what
-        `start(listeners=...)` names (the DNS listeners behind a front door)."""
+        limits.max_connections over both planes, and the engine listens for nothing itself."""
         self.config = config
         self.session_id = session_id
         self.addon = EgressAddon(
@@ -1048,9 +1027,6 @@ class Engine:
             max_connections=None if fronted else config.limits.max_connections,
             header_timeout=config.limits.header_timeout,
         )
-        # The DNS listeners' answers: the addon's Vetter, so a reload's policy and resolver
-        # are theirs too.
-        self.dns_responder = DnsResponder(self.addon.vetter, metrics)
         self.master: Master | None = None
         self.address: tuple[str, int] | None = None
         self.ca: CertificateAuthority | None = None
@@ -1156,9 +1132,6 @@ class Engine:
         mitm_server.asyncio = _AsyncioShim()  # type: ignore[attr-defined]
         mitm_http1_layer.make_error_response = _make_error_response
         mode_servers.Socks5Instance.make_top_layer = _make_socks5_layer  # type: ignore[method-assign]
-        mode_servers.DnsInstance.make_top_layer = _make_dns_layer  # type: ignore[method-assign]
-        # Only DNS listeners are UDP here (proxy/dns_mode.py says why this is not 20 s).
-        mitm_server.UDP_TIMEOUT = UDP_IDLE_SECONDS  # type: ignore[attr-defined]
         try:
             ca = self.prepare()
             inspect = ca is not None
@@ -1173,7 +1146,6 @@ class Engine:
             # Proxyserver's self-connect check; next_layer claims tunnels first).
             addons: list[Any] = [
                 self.addon,
-                EgressDnsAddon(self.dns_responder),
                 server,
                 _GuardedNextLayer(self.addon),
             ]
@@ -1230,13 +1202,6 @@ class Engine:
                 addresses = instance.listen_addrs
                 if not addresses:
                     raise ProxyError("listen_failed", f"{listener} bound no address")
-                if len({address[1] for address in addresses}) != 1:
-                    # A DNS listener binds UDP and TCP; with port 0 mitmproxy looks for a port
-                    # free for both, and may fall back to two different ones.
-                    raise ProxyError(
-                        "listen_failed",
-                        f"{listener} bound UDP and TCP on different ports; give it a port",
-                    )
                 bound.append(Listener(listener.scheme, addresses[0][0], addresses[0][1]))
             self.listeners = tuple(bound)
             self.address = (bound[0].host, bound[0].port)
@@ -1274,7 +1239,5 @@ class Engine:
                 mitm_server.asyncio = asyncio  # type: ignore[attr-defined]
                 mitm_http1_layer.make_error_response = _original_make_error_response
                 mode_servers.Socks5Instance.make_top_layer = _original_socks5_layer  # type: ignore[method-assign]
-                mode_servers.DnsInstance.make_top_layer = _original_dns_layer  # type: ignore[method-assign]
-                mitm_server.UDP_TIMEOUT = _original_udp_timeout  # type: ignore[attr-defined]
                 self.addon._dials.clear()
             self.address = None

@@ -3,9 +3,13 @@ timeout, a TTL-capped cache, negative caching and one in-flight lookup per name.
 
 Why our own resolver: the OS resolver (`getaddrinfo`) accepts IP literals in lenient spellings,
 applies search domains and reads /etc/hosts, so a name could reach an address the policy never
-saw. Here every nameserver is an IP address (dnspython's query functions connect to it directly,
+saw. Here every nameserver is an IP address (proxy/net/dnsquery.py connects to it directly,
 nothing is handed to the OS), the name is queried as an absolute name, and the answer returned is
 the one the caller checks and pins (DESIGN 3.3, 3.5).
+
+A lookup asks each nameserver in turn, both families in one exchange: an attempt gets half the
+timeout, a nameserver that fails (SERVFAIL, REFUSED, an ICMP error) is not asked that family
+again, one that stays silent is asked again in the next round while time is left.
 
 The resolver belongs to one event loop: its single-flight tasks are that loop's tasks.
 """
@@ -21,17 +25,16 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import dns.asyncresolver
 import dns.exception
 import dns.message
 import dns.name
-import dns.nameserver
+import dns.rcode
 import dns.rdatatype
-import dns.resolver
 import dns.rrset
 
 from policy import PolicyError, normalize_host
 from proxy.errors import ProxyError
+from proxy.net.dnsquery import Failed, Reply, ask
 
 if TYPE_CHECKING:
     from proxy.settings import Config
@@ -46,6 +49,9 @@ MAX_ADDRESSES = 64
 # report when both families bring their own chain.
 MAX_CNAME_CHAIN = 34
 SYSTEM_RESOLV_CONF = "/etc/resolv.conf"
+_RDTYPES = (dns.rdatatype.A, dns.rdatatype.AAAA)
+_MAX_TTL = 2**31 - 1
+MAX_RESOLV_CONF = 64 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,21 +129,28 @@ def _check_nameserver(address: str, port: int) -> tuple[str, int]:
 
 
 def system_nameservers(resolv_conf: str = SYSTEM_RESOLV_CONF) -> list[tuple[str, int]]:
-    """The nameservers of resolv.conf, read by dnspython (its search domains are ignored)."""
+    """The `nameserver` lines of resolv.conf, port 53 (its search domains and options are
+    ignored: every name is asked as the absolute name it is)."""
     try:
-        system = dns.resolver.Resolver(filename=resolv_conf, configure=True)
-    except (dns.exception.DNSException, OSError, ValueError) as exc:
+        with open(resolv_conf, "rb") as file:
+            data = file.read(MAX_RESOLV_CONF + 1)
+    except OSError as exc:
         raise ProxyError(
-            "dns_config", f"cannot read the system's DNS configuration {resolv_conf}: {exc}"
+            "dns_config",
+            f"cannot read the system's DNS configuration {resolv_conf}: {exc.strerror or exc}",
         ) from None
+    if len(data) > MAX_RESOLV_CONF:
+        raise ProxyError("dns_config", f"{resolv_conf} is larger than {MAX_RESOLV_CONF} bytes")
     result: list[tuple[str, int]] = []
-    for nameserver in system.nameservers:
-        if isinstance(nameserver, dns.nameserver.Do53Nameserver):
-            result.append(_check_nameserver(nameserver.address, nameserver.port))
-        elif isinstance(nameserver, str):
-            result.append(_check_nameserver(nameserver, system.port))
-        else:  # DoH/DoT: resolv.conf never yields these; refuse rather than guess
-            raise ProxyError("dns_config", f"unsupported nameserver {nameserver!r}")
+    for number, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
+        words = line.split()
+        # As the C library reads it: a comment starts a line with # or ;.
+        if len(words) < 2 or words[0] != "nameserver" or line.lstrip()[0] in "#;":
+            continue
+        try:
+            result.append(_check_nameserver(words[1], 53))
+        except ProxyError as exc:
+            raise ProxyError("dns_config", f"{resolv_conf}:{number}: {exc.message}") from None
     if not result:
         raise ProxyError("dns_config", f"{resolv_conf} names no nameserver")
     return result
@@ -173,22 +186,10 @@ class Resolver:
         self._cache: OrderedDict[str, _CacheEntry] = OrderedDict()
         self._inflight: dict[str, asyncio.Task[Answer | _Failure]] = {}
 
-        # configure=False: nothing read from the system; search domains and dnspython's own
-        # cache off, so every name is asked as given and our cache is the only one.
-        resolver = dns.asyncresolver.Resolver(configure=False)
-        resolver.nameservers = [dns.nameserver.Do53Nameserver(ip, p) for ip, p in self.nameservers]
-        resolver.search = []
-        resolver.use_search_by_default = False
-        resolver.cache = None
-        # The overall limit is `timeout` (A and AAAA run side by side, each within it); one
-        # attempt gets half of it, which leaves room for a second one (a lost UDP datagram, or
-        # the next nameserver when the first is down).
-        resolver.timeout = self.timeout / 2
-        resolver.lifetime = self.timeout
-        # EDNS with the commonly recommended 1232-byte payload: fewer truncations, no
-        # fragmentation; larger answers still come over TCP (dnspython retries on TC).
-        resolver.use_edns(0, 0, 1232)
-        self._resolver = resolver
+        # The overall limit is `timeout` (A and AAAA side by side, each within it); one attempt
+        # at a nameserver gets half of it, which leaves room for a second one (a lost UDP
+        # datagram, or the next nameserver when the first is down).
+        self.attempt_timeout = self.timeout / 2
 
     @classmethod
     def from_config(
@@ -281,42 +282,69 @@ class Resolver:
         # Never raises (short of cancellation): a shared task's exception would otherwise be
         # raised in every waiter, or logged as never retrieved when nobody waits any more.
         try:
-            families = await asyncio.gather(
-                self._query(qname, dns.rdatatype.A), self._query(qname, dns.rdatatype.AAAA)
-            )
+            replies = await self._ask(qname)
+            families = [self._family(replies.get(rdtype)) for rdtype in _RDTYPES]
             return self._combine(host, families)
         except Exception as exc:
             return _Failure("dns_error", f"{host}: DNS lookup failed ({type(exc).__name__})")
 
-    async def _query(self, qname: dns.name.Name, rdtype: dns.rdatatype.RdataType) -> _Family:
-        try:
-            answer = await self._resolver.resolve(
-                qname, rdtype, raise_on_no_answer=False, lifetime=self.timeout, search=False
-            )
-        except dns.resolver.NXDOMAIN as exc:
-            response = exc.responses().get(qname)
-            ttl, cnames = int(self.negative_ttl), ()
-            if response is not None:
-                try:
-                    chaining = response.resolve_chaining()
-                    ttl, cnames = chaining.minimum_ttl, _chain(chaining.cnames)
-                except dns.exception.DNSException:
-                    pass
-            return _Family("nxdomain", cnames=cnames, ttl=ttl)
-        except dns.exception.Timeout:  # LifetimeTimeout included
+    async def _ask(self, qname: dns.name.Name) -> dict[int, Reply | None]:
+        """A and AAAA of `qname`, asked of each nameserver in turn (both families in one
+        exchange) until each family has its answer, has failed at every nameserver, or the
+        lookup's `timeout` is spent. A family without an answer maps to its last failure, or
+        to None (timed out)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        answered: dict[int, Reply | None] = {}
+        failed: dict[int, set[tuple[str, int]]] = {rdtype: set() for rdtype in _RDTYPES}
+        failures: dict[int, Failed] = {}
+        while True:
+            for nameserver in self.nameservers:
+                todo = [t for t in _RDTYPES if t not in answered and nameserver not in failed[t]]
+                remaining = deadline - loop.time()
+                if not todo or remaining <= 0:
+                    continue
+                attempt = min(self.attempt_timeout, remaining)
+                replies = await ask(nameserver, qname, todo, attempt, tcp_timeout=remaining)
+                for rdtype, reply in replies.items():
+                    if isinstance(reply, Failed):
+                        failed[rdtype].add(nameserver)
+                        failures[rdtype] = reply
+                    else:
+                        answered[rdtype] = reply
+            # Open: a family neither answered nor failed at every nameserver (each timed out).
+            open_ = [
+                t for t in _RDTYPES if t not in answered and len(failed[t]) < len(self.nameservers)
+            ]
+            if not open_ or deadline - loop.time() <= 0:
+                break
+        for rdtype in _RDTYPES:
+            if rdtype not in answered:
+                everywhere = len(failed[rdtype]) == len(self.nameservers)
+                answered[rdtype] = failures[rdtype] if everywhere else None
+        return answered
+
+    def _family(self, reply: Reply | None) -> _Family:
+        """What one family's reply means: its addresses, CNAME chain and TTL."""
+        if reply is None:
             return _Family("timeout")
-        except dns.resolver.NoNameservers as exc:
-            # Every nameserver answered SERVFAIL/REFUSED, sent garbage or could not be reached.
-            return _Family("error", detail=_brief(exc))
-        except dns.exception.DNSException as exc:  # YXDOMAIN, ChainTooLong, ...
+        if isinstance(reply, Failed):
+            return _Family("error", detail=reply.detail)
+        nxdomain = reply.rcode() == dns.rcode.NXDOMAIN
+        try:
+            chaining = reply.resolve_chaining()
+        except dns.exception.DNSException as exc:  # ChainTooLong, AnswerForNXDOMAIN, ...
+            if nxdomain:  # no such name all the same; how long to believe it is ours to say
+                return _Family("nxdomain", ttl=int(self.negative_ttl))
             return _Family("error", detail=f"{type(exc).__name__}: {_brief(exc)}")
-        chaining = answer.chaining_result
         cnames = _chain(chaining.cnames)
-        if answer.rrset is None:
-            # NODATA: the TTL is the negative one dnspython derived from the SOA (or its default
-            # when there is none); ours caps it below.
-            return _Family("nodata", cnames=cnames, ttl=chaining.minimum_ttl)
-        addresses = tuple(rdata.address for rdata in answer.rrset)
+        if nxdomain:
+            return _Family("nxdomain", cnames=cnames, ttl=min(chaining.minimum_ttl, _MAX_TTL))
+        if chaining.answer is None:
+            # NODATA: the TTL is the negative one of the SOA (none: the largest TTL there is);
+            # ours caps it when caching.
+            return _Family("nodata", cnames=cnames, ttl=min(chaining.minimum_ttl, _MAX_TTL))
+        addresses = tuple(str(rdata.address) for rdata in chaining.answer)
         return _Family("answer", addresses, cnames, chaining.minimum_ttl)
 
     def _combine(self, host: str, families: Sequence[_Family]) -> Answer | _Failure:
