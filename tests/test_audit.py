@@ -104,7 +104,7 @@ def test_close_line_fields(tmp_path: Path) -> None:
 def test_from_policy_objects() -> None:
     name = Decision(False, "not_allowed", "not in the manifest", "example.com", 443, "x[1]")
     event = DecisionEvent.from_policy(name, client="10.0.0.2:1", plane="l7")
-    record = event.to_json(session=None, now=FIXED)
+    record = json.loads(event.line(session=None, now=FIXED))
     assert record["decision"] == "deny"
     assert (record["reason"], record["stage"], record["rule"]) == ("not_allowed", "name", "x[1]")
     assert record["port"] == 443 and record["client"] == "10.0.0.2:1"
@@ -112,11 +112,11 @@ def test_from_policy_objects() -> None:
     good = Verdict("93.184.216.34", True, "public", None, "", "")
     bad = Verdict("10.1.2.3", False, "private", "10.0.0.0/8", "Private-Use", "RFC1918")
     mixed = AddressDecision(False, "mixed_answer", "mixed", "example.com", (good, bad))
-    record = DecisionEvent.from_policy(mixed).to_json(session=None, now=FIXED)
+    record = json.loads(DecisionEvent.from_policy(mixed).line(session=None, now=FIXED))
     assert record["resolved"] == ["93.184.216.34", "10.1.2.3"]
     assert record["pinned"] == []
     allowed = AddressDecision(True, "allowed", "ok", "example.com", (good,), rule="r[0]")
-    record = DecisionEvent.from_policy(allowed, port=443).to_json(session=None, now=FIXED)
+    record = json.loads(DecisionEvent.from_policy(allowed, port=443).line(session=None, now=FIXED))
     assert record["pinned"] == ["93.184.216.34"] and record["port"] == 443
 
 
@@ -291,6 +291,5 @@ def test_events_are_frozen_and_serialisable() -> None:
     event = CloseEvent(host="h", bytes_up=1, bytes_down=2, duration=0.5)
     with pytest.raises(AttributeError):
         event.host = "other"  # type: ignore[misc]
-    record = event.to_json(session="s", now=FIXED)
-    assert json.loads(json.dumps(record)) == record
+    record = json.loads(event.line(session="s", now=FIXED))
     assert record["time"] == "2026-01-02T03:04:05.678Z"

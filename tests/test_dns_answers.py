@@ -66,7 +66,7 @@ class Responder:
         self.stream = io.StringIO()
         self.metrics = Metrics()
         resolver = Resolver([dns.address], timeout=1.0)
-        audit = AuditLog(stream=self.stream)
+        self.audit = audit = AuditLog(stream=self.stream)
         self.vetter = Vetter(policy, resolver, self.metrics, audit, plane="l7")
         self.responder = DnsResponder(self.vetter, self.metrics)
 
@@ -77,6 +77,7 @@ class Responder:
         return await self.responder.answer(query, PEER)
 
     def lines(self) -> list[dict[str, Any]]:
+        self.audit.flush()  # lines are written once per loop iteration
         return [json.loads(line) for line in self.stream.getvalue().splitlines()]
 
     def count(self, qtype: str, rcode: str) -> float:

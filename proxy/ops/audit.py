@@ -17,8 +17,8 @@ when a `Metrics` is given) and reported once on stderr.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import json
 import os
 import sys
 import time
@@ -29,9 +29,6 @@ from proxy.decide.events import CloseEvent, DecisionEvent
 
 if TYPE_CHECKING:
     from proxy.ops.metrics import Metrics
-
-# One encoder for every line (json.dumps builds a new one per call when given options).
-_ENCODE = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"), default=str).encode
 
 
 class AuditLog:
@@ -60,11 +57,14 @@ class AuditLog:
         # Set after a partial write: the next line then starts with a newline, so a torn line
         # stays a line of its own instead of corrupting the next record too.
         self._torn = False
+        self._pending: list[str] = []
+        self._flush_scheduled = False
         if path is not None:
-            # Raw fd writes, one os.write per line: no userspace buffer keeps growing while the
-            # disk is full, and with O_APPEND each line lands whole at the end even if another
-            # process appends to the same file. Opening fails loudly: that is start-up, where a
-            # misconfigured audit path must stop the proxy rather than run unaudited.
+            # Raw fd writes, one os.write per loop iteration's lines: no userspace buffer keeps
+            # growing while the disk is full, and with O_APPEND each write lands whole at the
+            # end even if another process appends to the same file. Opening fails loudly: that
+            # is start-up, where a misconfigured audit path must stop the proxy rather than run
+            # unaudited.
             self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
 
     def __enter__(self) -> AuditLog:
@@ -84,22 +84,40 @@ class AuditLog:
         self.write(event if event is not None else CloseEvent(**fields))
 
     def write(self, event: DecisionEvent | CloseEvent) -> None:
-        record = event.to_json(session=self.session, now=self._clock())
-        line = _ENCODE(record) + "\n"
-        self._emit(line)
+        self._pending.append(event.line(session=self.session, now=self._clock()) + "\n")
+        if self._flush_scheduled:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.flush()  # no event loop: nothing to batch with
+            return
+        # The lines of one loop iteration go out in one write (a busy proxy writes several per
+        # connection): at the end of the iteration, before the loop next waits for I/O.
+        self._flush_scheduled = True
+        loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Writes the lines not written yet."""
+        self._flush_scheduled = False
+        if not self._pending:
+            return
+        lines = "".join(self._pending)
+        self._pending.clear()
+        self._emit(lines)
 
     # -- output -------------------------------------------------------------------------------
 
-    def _emit(self, line: str) -> None:
+    def _emit(self, lines: str) -> None:
         if self._closed:
-            self._failed(ValueError("audit log is closed"))
+            self._failed(ValueError("audit log is closed"), lines.count("\n"))
             return
         if self._torn:
-            line = "\n" + line
+            lines = "\n" + lines
+        written = 0
+        data = lines.encode("ascii")
         try:
             if self._fd is not None:
-                data = line.encode("ascii")
-                written = 0
                 try:
                     while written < len(data):
                         written += os.write(self._fd, data[written:])
@@ -109,18 +127,20 @@ class AuditLog:
                     self._torn = written < len(data) and (written > 0 or self._torn)
             else:
                 stream = self._stream if self._stream is not None else sys.stdout
-                stream.write(line)
+                stream.write(lines)
                 stream.flush()
                 self._torn = False
         # OSError: disk full, broken pipe. ValueError: a closed stream. RuntimeError: a
         # buffered stream re-entered (e.g. from a signal handler) refuses the nested write.
         except (OSError, ValueError, RuntimeError) as exc:
-            self._failed(exc)
+            self._failed(exc, max(data[written:].count(b"\n"), 1))
 
-    def _failed(self, exc: BaseException) -> None:
-        self.write_errors += 1
+    def _failed(self, exc: BaseException, lines: int = 1) -> None:
+        """`lines` audit lines are lost (a torn one counts as lost)."""
+        self.write_errors += lines
         if self.metrics is not None:
-            self.metrics.audit_write_error()
+            for _ in range(lines):
+                self.metrics.audit_write_error()
         if self._reported:
             return
         # Set before writing to stderr, so a nested failure cannot report twice.
@@ -134,9 +154,11 @@ class AuditLog:
             )
 
     def close(self) -> None:
-        """Closes a file the log opened; a stream it was given (or stdout) stays open."""
+        """Writes what is pending, then closes a file the log opened; a stream it was given (or
+        stdout) stays open."""
         if self._closed:
             return
+        self.flush()
         self._closed = True
         if self._fd is not None:
             fd, self._fd = self._fd, None
