@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -135,9 +135,9 @@ def readings(path: str) -> tuple[tuple[Reading, ...], tuple[Reading, ...]]:
         return only, only
     segments = lexed.split("/")[1:]
     _refuse_shifting_segments(segments, path)
-    allow = _unique(_variants(segments, windows=False))
-    block = _unique(_variants(segments, windows=True))
-    return allow, block
+    found = list(_variants(segments))
+    allow = _unique(reading for reading, windows in found if not windows)
+    return allow, _unique(reading for reading, _ in found)
 
 
 def canonical_prefix(path: str) -> str:
@@ -186,42 +186,36 @@ def _admitting(path: str, allowed: Sequence[str]) -> int | None:
 # -- reading -----------------------------------------------------------------------------------
 
 
-def _variants(segments: list[str], *, windows: bool) -> Iterator[Reading]:
+def _variants(segments: list[str]) -> Iterator[tuple[Reading, bool]]:
     """Every combination of the server behaviours that apply to these segments, the RFC 3986
-    reading first."""
-    has_params = any(_PARAMS.search(s) for s in segments)
-    has_windows = windows and any(_windows_name(s) != s for s in segments if s not in _DOTS)
-    for params in (False, True) if has_params else (False,):
-        for as_windows in (False, True) if has_windows else (False,):
-            names = [_name(s, params, as_windows) for s in segments]
-            has_empty = "" in names[:-1]
-            for fold in (False, True) if has_empty else (False,):
-                shown = _folded(names) if fold else names
-                how = [
-                    text
-                    for on, text in ((fold, _FOLDED), (params, _NO_PARAMS), (as_windows, _WINDOWS))
-                    if on
-                ]
-                yield Reading(_resolve(shown, slash=True), _how(how))
-                if shown[-1] in _DOTS:
-                    yield Reading(_resolve(shown, slash=False), _how([*how, _NO_SLASH]))
-                if any(s in _DOTS for s in shown):
-                    yield Reading("/" + "/".join(shown), _how([*how, _DOTS_LEFT]))
+    reading first, each with whether it reads Windows names (those are for blocks only)."""
+    bare = [s if s in _DOTS else _PARAMS.split(s, 1)[0] for s in segments]
+    spellings = {(False, False): segments}
+    if bare != segments:
+        spellings[True, False] = bare
+    windows = [s if s in _DOTS else _windows_name(s) for s in segments]
+    if windows != segments:
+        spellings[False, True] = windows
+        if bare != segments:
+            spellings[True, True] = [s if s in _DOTS else _windows_name(s) for s in bare]
+    for (params, as_windows), names in spellings.items():
+        for fold in (False, True) if "" in names[:-1] else (False,):
+            shown = _folded(names) if fold else names
+            how = [
+                text
+                for on, text in ((fold, _FOLDED), (params, _NO_PARAMS), (as_windows, _WINDOWS))
+                if on
+            ]
+            yield Reading(_resolve(shown, slash=True), _how(how)), as_windows
+            if shown[-1] in _DOTS:
+                yield Reading(_resolve(shown, slash=False), _how([*how, _NO_SLASH])), as_windows
+            if any(s in _DOTS for s in shown):
+                yield Reading("/" + "/".join(shown), _how([*how, _DOTS_LEFT])), as_windows
 
 
 def _folded(segments: list[str]) -> list[str]:
     """Runs of '/' folded: no empty segment but a last one (the trailing slash)."""
     return [s for s in segments[:-1] if s] + segments[-1:]
-
-
-def _name(segment: str, params: bool, windows: bool) -> str:
-    if segment in _DOTS:
-        return segment
-    if params:
-        segment = _PARAMS.split(segment, 1)[0]
-    if windows:
-        segment = _windows_name(segment)
-    return segment
 
 
 def _windows_name(segment: str) -> str:
@@ -258,7 +252,7 @@ def _how(parts: list[str]) -> str:
     return ", ".join(parts) if parts else RFC_READING
 
 
-def _unique(found: Iterator[Reading]) -> tuple[Reading, ...]:
+def _unique(found: Iterable[Reading]) -> tuple[Reading, ...]:
     seen: dict[str, Reading] = {}
     for reading in found:
         seen.setdefault(reading.path, reading)

@@ -60,7 +60,7 @@ def split_authority(authority: str) -> tuple[str, int | None]:
             raise PolicyError(
                 "invalid_host",
                 f"invalid host {authority[: end + 1][:100]!r}: brackets hold an IPv6 address "
-                "and nothing else; write a hostname without them",
+                "and nothing else",
             )
         if not rest:
             return host, None
