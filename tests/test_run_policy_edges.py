@@ -12,13 +12,16 @@ of the running proxy the same way, on CONNECT and on plain HTTP.
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import ssl
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import trustme
 from dns_server import DNSServer
-from running import HTTPUpstream, RunningProxy, curl, http_upstream
+from running import HTTPUpstream, RunningProxy, curl, http_upstream, tcp_server
 
 LOOPBACK = "127.0.0.1"
 
@@ -180,3 +183,62 @@ def test_paths_are_decided_on_every_reading_and_forwarded_as_sent(
         assert get(b"/api/%2573ecret/") == (403, "ambiguous_path")
     # Only what was allowed went upstream, byte for byte: the proxy decides, never rewrites.
     assert upstream.requests == ["/api/a//b", "/api/./x"]
+
+
+@contextlib.contextmanager
+def tls_upstream(ca: trustme.CA, name: str) -> Iterator[tuple[int, list[str]]]:
+    """A TLS server for `name` on loopback answering every request with 200; yields its port
+    and the request lines it was sent."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert(name).configure_cert(context)
+    requests: list[str] = []
+
+    def handle(conn: socket.socket) -> None:
+        conn.settimeout(5)
+        with context.wrap_socket(conn, server_side=True) as tls:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = tls.recv(4096)
+                if not chunk:
+                    return
+                data += chunk
+            requests.append(data.split(b"\r\n", 1)[0].decode("latin-1"))
+            tls.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nConnection: close\r\n\r\nok\n")
+
+    with tcp_server(handle) as port:
+        yield port, requests
+
+
+def test_a_blocked_prefix_written_for_443_holds_inside_tls_on_another_port(
+    tmp_path: Path, dns: DNSServer
+) -> None:
+    ca = trustme.CA()
+    bundle = tmp_path / "upstream-ca.pem"
+    ca.cert_pem.write_to_path(str(bundle))
+    dns.set("whole.test", a=["127.0.0.1"])
+    manifest = (
+        "schema_version: 1\nnetwork_access:\n"
+        "  allowed: ['whole.test']\n"
+        "  blocked: ['https://whole.test/admin/']\n"
+    )
+    extra = f"inspection:\n  ca_dir: {tmp_path / 'ca'}\n  upstream_ca: {bundle}\n"
+    with (
+        tls_upstream(ca, "whole.test") as (port, requests),
+        RunningProxy(tmp_path, manifest, dns=dns, config_extra=extra) as proxy,
+    ):
+        proxy_ca = str(tmp_path / "ca" / "mitmproxy-ca-cert.pem")
+        base = f"https://whole.test:{port}"
+        ok = curl(proxy.port, f"{base}/docs", "--cacert", proxy_ca)
+        assert (ok.status, ok.body) == (200, "ok\n"), ok
+        for path in (
+            "/admin/",
+            "/ADMIN/x",
+            "/admin./x",
+            "/admin%20/x",
+            "/admin;x/",
+            "/x/../admin/",
+        ):
+            denied = curl(proxy.port, base + path, "--cacert", proxy_ca, "--path-as-is")
+            assert denied.status == 403, (path, denied)
+            assert denied.headers.get("x-egress-denied") == "blocked", (path, denied.headers)
+    assert requests == ["GET /docs HTTP/1.1"]

@@ -48,7 +48,8 @@ def add_check_parsers(sub: Any) -> None:
         action="append",
         default=[],
         metavar="HOST=ADDR[,ADDR...]",
-        help="check these addresses for HOST (no DNS is sent); repeatable",
+        help="check these addresses for HOST (no DNS is sent; 'HOST=' is an answer with no "
+        "address); once per host, repeatable",
     )
     explain.add_argument(
         "targets",
