@@ -1,158 +1,43 @@
 """Compile a manifest, a ceiling and operator rules into a Policy, and decide with it.
 
-The ceiling is intersected with the manifest here, once: the trie holds only what both admit,
-so a decision is one walk down the host's labels. Blocks are not intersected: they always apply.
+The ceiling is intersected with the manifest once (policy/grants.py): the trie holds only what
+both admit, so a name decision is one walk down the host's labels. Paths are decided by
+policy/paths.py and addresses by policy/answers.py; `Policy.decide` and
+`Policy.check_addresses` are the only doors to them.
 """
 
 from __future__ import annotations
 
 import gc
 import ipaddress
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Any, NamedTuple
+from typing import Any
 
 from policy import decisions as d
-from policy.addresses import Verdict, classify, parse_address
+from policy.answers import AnswerChecker
 from policy.ceiling import Ceiling
 from policy.decisions import AddressDecision, Decision
 from policy.errors import PolicyError
 from policy.findings import Finding, quote
-from policy.hostnames import is_under, name_refusal, normalize_host, parse_ip_literal
+from policy.grants import Grant, check_manifest, declared_allows, deploy_findings, intersect
+from policy.hostnames import name_refusal, normalize_host, parse_ip_literal
 from policy.manifests import Manifest
 from policy.operator import OperatorRules, PlatformDestination
+from policy.paths import PathDecision, decide_path
 from policy.rules import Rule
-from policy.trie import SubtreeIndex, SuffixTrie, suffixes
-from policy.urls import (
-    RULE_SCHEME,
-    TLS_SCHEMES,
-    Target,
-    parse_target,
-    path_has_prefix,
-    path_views,
-)
+from policy.trie import Match, SuffixTrie
+from policy.urls import RULE_SCHEME, TLS_SCHEMES, Target, parse_target
+
+__all__ = ["Grant", "Policy", "check_manifest", "compile_policy"]
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 # Which trie slot holds a rule of each kind.
 _ALLOW_SLOT = {"subtree": "subtree", "exact": "exact", "url": "urls"}
 _BLOCK_SLOT = {"subtree": "block_subtree", "exact": "block_exact", "url": "block_urls"}
-# Verdicts that a platform destination's CIDRs never excuse.
-_NEVER_EXEMPT = frozenset({"metadata", "operator_deny", "invalid_address"})
-
-
-class Grant(NamedTuple):
-    """One effective allow: `host` may be narrower than the rule's when a ceiling cut it.
-    (A tuple: compiling a large policy makes one per rule, and tuples are cheap to make.)"""
-
-    host: str
-    rule: Rule
-    ceiling: Rule | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        out = self.rule.to_json()
-        out["host"] = self.host
-        out["ceiling"] = self.ceiling.id if self.ceiling else None
-        return out
-
-
-def _allows(manifest: Manifest) -> list[Rule]:
-    return [r for r in manifest.rules if r.action == "allow"]
-
-
-def check_manifest(
-    manifest: Manifest, ceiling: Ceiling | None = None, operator: OperatorRules | None = None
-) -> tuple[Finding, ...]:
-    """Every deploy-time finding: the manifest's own, then the ceiling and platform checks."""
-    excluded = _intersect(_allows(manifest), ceiling).excluded
-    return _deploy_findings(manifest, ceiling, operator or OperatorRules(), excluded)
-
-
-def _deploy_findings(
-    manifest: Manifest,
-    ceiling: Ceiling | None,
-    operator: OperatorRules,
-    excluded: Sequence[Rule],
-) -> tuple[Finding, ...]:
-    findings = list(manifest.findings)
-    if ceiling is not None:
-        if manifest.mode == "public":
-            findings.append(
-                Finding(
-                    "network.egress_mode",
-                    "public",
-                    "public_mode_with_ceiling",
-                    f"egress_mode 'public' is refused because {ceiling.label} is configured; "
-                    "declare the hostnames you need in network.egress instead",
-                    "error",
-                    manifest.source,
-                )
-            )
-        shown = ", ".join(r.host or "" for r in ceiling.rules[:5]) or "nothing"
-        if len(ceiling.rules) > 5:
-            shown += f", … ({len(ceiling.rules)} entries)"
-        findings.extend(
-            Finding(
-                rule.id,
-                rule.pattern,
-                d.OUTSIDE_CEILING,
-                f"{quote(rule.pattern)} is outside {ceiling.label}, which admits: {shown}; "
-                "declare a name under one of those or ask the administrator to widen it",
-                "error",
-                manifest.source,
-            )
-            for rule in excluded
-        )
-    for rule in _allows(manifest):
-        if rule.host is None or rule.source != "manifest":
-            continue
-        for dest in operator.platform_destinations:
-            if is_under(dest.host, rule.host) or is_under(rule.host, dest.host):
-                findings.append(
-                    Finding(
-                        rule.id,
-                        rule.pattern,
-                        d.PLATFORM_DESTINATION,
-                        f"{quote(rule.pattern)} overlaps the platform destination {dest.host!r} "
-                        f"({dest.id}); platform routes are provided for you and not declarable",
-                        "error",
-                        manifest.source,
-                    )
-                )
-                break
-    return tuple(findings)
-
-
-@dataclass(slots=True)
-class _Intersection:
-    grants: list[Grant]
-    excluded: list[Rule]  # declared allows the ceiling does not wholly admit
-
-
-def _intersect(allows: Iterable[Rule], ceiling: Ceiling | None) -> _Intersection:
-    if ceiling is None:
-        return _Intersection([Grant(r.host, r) for r in allows if r.host is not None], [])
-    covers = SubtreeIndex((entry.host or "", entry) for entry in ceiling.rules)
-    result = _Intersection([], [])
-    cut_subtrees: dict[str, list[Rule]] = {}
-    for rule in allows:
-        cover = covers.covering(rule.host) if rule.host is not None else None
-        if cover is not None:
-            result.grants.append(Grant(rule.host or "", rule, cover))
-            continue
-        # An address allow has no name for a hostname ceiling to admit.
-        result.excluded.append(rule)
-        if rule.kind == "subtree" and rule.host is not None:
-            cut_subtrees.setdefault(rule.host, []).append(rule)
-    if cut_subtrees:
-        # Ceiling entries below a declared name that no ceiling entry covers: what both admit.
-        for host, entry in covers.items():
-            for parent in suffixes(host, proper=True):
-                for rule in cut_subtrees.get(parent, ()):
-                    result.grants.append(Grant(host, rule, entry))
-    return result
+_SHOWN_PATH = 200
 
 
 @contextmanager
@@ -195,25 +80,23 @@ class Policy:
         self.manifest = manifest
         self.ceiling = ceiling
         self.operator = operator
-        declared = _allows(manifest)
+        declared = declared_allows(manifest)
         effective = declared
         if manifest.mode != "allowlist":
             pattern = "public" if manifest.mode == "public" else "(no allowed list)"
             effective = [Rule(manifest.mode_rule, pattern, "allow", "subtree", "manifest", host="")]
-        intersection = _intersect(effective, ceiling)
+        intersection = intersect(effective, ceiling)
         # Deploy findings speak of what the author declared, not of the mode's root rule.
         declared_cut = intersection.excluded
         if manifest.mode != "allowlist":
-            declared_cut = _intersect(declared, ceiling).excluded
+            declared_cut = intersect(declared, ceiling).excluded
         self._declared_cut = declared_cut
         self.grants = tuple(intersection.grants)
         self._trie: SuffixTrie[Grant] = SuffixTrie()
         for grant in self.grants:
             self._trie.add(grant.host, _ALLOW_SLOT[grant.rule.kind], grant)
-        blocks = [r for r in manifest.rules if r.action == "block"]
-        self.blocks = tuple(blocks)
-        self._blocked_networks = [r for r in blocks if r.kind == "address"]
-        for rule in blocks:
+        self.blocks = tuple(r for r in manifest.rules if r.action == "block")
+        for rule in self.blocks:
             if rule.kind != "address":
                 host = rule.host or ""
                 self._trie.add(host, _BLOCK_SLOT[rule.kind], Grant(host, rule))
@@ -230,6 +113,12 @@ class Policy:
                 self._excluded.add(rule.host, _ALLOW_SLOT[rule.kind], rule)
         self._platform = {p.host: p for p in operator.platform_destinations}
         self._internal = operator.internal_suffixes
+        self._answers = AnswerChecker(
+            operator.addresses,
+            tuple(r for r in self.blocks if r.kind == "address"),
+            self._platform,
+            operator.internal_suffixes,
+        )
 
     # -- reporting ---------------------------------------------------------------------------
 
@@ -237,7 +126,7 @@ class Policy:
     def findings(self) -> tuple[Finding, ...]:
         """The deploy-time findings (as `check_manifest`); worded only when asked for, since a
         running proxy never needs them and a lowered ceiling can cut thousands of entries."""
-        return _deploy_findings(self.manifest, self.ceiling, self.operator, self._declared_cut)
+        return deploy_findings(self.manifest, self.ceiling, self.operator, self._declared_cut)
 
     @cached_property
     def has_url_rules(self) -> bool:
@@ -278,8 +167,8 @@ class Policy:
     # -- name stage --------------------------------------------------------------------------
 
     def decide(self, target: str | Target) -> Decision:
-        """Decide on a host, `host:port`, `[v6]:port` or URL, before any DNS. Never raises:
-        anything unexpected is a denial (fail closed)."""
+        """Decide on a host, `host:port`, `[v6]:port` or URL (its path included), before any
+        DNS. Never raises: anything unexpected is a denial (fail closed)."""
         shown = target if isinstance(target, str) else target.host
         try:
             parsed = parse_target(target) if isinstance(target, str) else target
@@ -299,29 +188,17 @@ class Policy:
         host = normalize_host(target.host)
         platform = self._platform.get(host)
         if platform is not None:
-            if port is not None and port not in platform.ports:
-                return Decision(
-                    False,
-                    d.PORT_NOT_ALLOWED,
-                    f"{host}: port {port} is not a port of this platform destination",
-                    host,
-                    port,
-                    platform.id,
-                )
-            return Decision(
-                True,
-                d.PLATFORM_DESTINATION,
-                f"{host} is a platform destination",
-                host,
-                port,
-                platform.id,
-            )
+            return _platform_decision(platform, host, port)
         refusal = name_refusal(host, self._internal)
         if refusal is not None:
             return Decision(False, refusal[0], f"{host}: {refusal[1]}", host, port)
         refused_port = self._port_refusal(host, port)
         if refused_port is not None:
             return refused_port
+        return self._decide_host(host, port, target)
+
+    def _decide_host(self, host: str, port: int | None, target: Target) -> Decision:
+        """The manifest's rules on a valid public name: blocks, then grants, then URL prefixes."""
         match = self._trie.match(host)
         if match.block:
             rule = match.block[0].rule
@@ -333,47 +210,36 @@ class Policy:
                 port,
                 rule.id,
             )
-        scheme = RULE_SCHEME.get(target.scheme) if target.scheme else None
-        block_urls = [g.rule for g in match.block_urls or () if _port_fits(g.rule, scheme, port)]
-        views = path_views(target.path) if target.path is not None else ()
-        path = views[0] if views else None
-        for rule in block_urls:
-            prefix = (rule.path or "/").lower()  # blocks match case-blind: some servers do
-            # '/admin/' blocks '/admin' too: many servers serve both alike.
-            if any(_blocked_by(view.lower(), prefix) for view in views):
-                return Decision(
-                    False,
-                    d.BLOCKED,
-                    f"{host}{path} is blocked by {rule.id} {quote(rule.pattern)}",
-                    host,
-                    port,
-                    rule.id,
-                )
-        grant = (match.exact or match.subtree or [None])[0]
+        # A blocked URL prefix holds on every scheme and port of its host (fail closed); an
+        # allowed one only on its own scheme and port.
+        blocks = [g.rule for g in match.block_urls or ()]
+        grant = _first(match.exact, match.subtree)
+        urls = [] if grant is not None else self._urls_for(match, target.scheme, port)
+        admitting = urls[0] if urls else None
+        if target.path is not None and (blocks or urls):
+            allowed = [g.rule.path or "/" for g in urls] if urls else None
+            decided = decide_path(target.path, allowed, [r.path or "/" for r in blocks])
+            if decided.verdict != "allowed":
+                return _path_refusal(host, port, target.path, decided, urls, blocks)
+            if urls and decided.index is not None:
+                admitting = urls[decided.index]
         tls = target.scheme is None or target.scheme in TLS_SCHEMES
         if grant is not None:
-            inspect = bool(block_urls) and tls
-            return self._allow(host, port, grant, inspect, "")
-        urls = [g for g in match.urls or () if _port_fits(g.rule, scheme, port)]
-        if urls and path is None:
-            return self._allow(host, port, urls[0], tls, " (paths are decided per request)")
-        if urls and path is not None:
-            admitting = [
-                next((g for g in urls if path_has_prefix(view, g.rule.path or "/")), None)
-                for view in views
-            ]
-            if all(admitting):
-                return self._allow(host, port, admitting[0], tls, "")  # type: ignore[arg-type]
-            prefixes = ", ".join(quote(g.rule.pattern) for g in urls[:3])
-            return Decision(
-                False,
-                d.PATH_NOT_ALLOWED,
-                f"{host}{path} is outside the URL prefixes allowed for this host ({prefixes})",
-                host,
-                port,
-                urls[0].rule.id,
-            )
+            return self._allow(host, port, grant, bool(blocks) and tls, "")
+        if admitting is not None:
+            note = " (paths are decided per request)" if target.path is None else ""
+            return self._allow(host, port, admitting, tls, note)
         return self._not_allowed(host, port)
+
+    @staticmethod
+    def _urls_for(match: Match[Grant], scheme: str | None, port: int | None) -> list[Grant]:
+        rule_scheme = RULE_SCHEME.get(scheme) if scheme else None
+        return [
+            g
+            for g in match.urls or ()
+            if (rule_scheme is None or g.rule.scheme == rule_scheme)
+            and (port is None or g.rule.port == port)
+        ]
 
     def _allow(
         self, host: str, port: int | None, grant: Grant, inspect: bool, note: str
@@ -404,7 +270,7 @@ class Policy:
     def _not_allowed(self, host: str, port: int | None) -> Decision:
         if self.ceiling is not None:
             cut = self._excluded.match(host)
-            rule = (cut.exact or cut.subtree or cut.urls or [None])[0]
+            rule = _first(cut.exact, cut.subtree, cut.urls)
             if rule is not None:
                 return Decision(
                     False,
@@ -421,7 +287,7 @@ class Policy:
 
     def _decide_literal(self, address: Address, port: int | None) -> Decision:
         host = str(address)
-        blocked = self._blocking_rule(address)
+        blocked = self._answers.blocking_rule(address)
         if blocked is not None:
             return Decision(
                 False, d.BLOCKED, f"{host} is blocked by {blocked.id}", host, port, blocked.id
@@ -453,133 +319,76 @@ class Policy:
             "ports",
         )
 
-    def _blocking_rule(self, address: Address) -> Rule | None:
-        for rule in self._blocked_networks:
-            if rule.network is not None and address in rule.network:
-                return rule
-        return None
-
     # -- address stage -----------------------------------------------------------------------
 
     def check_addresses(
         self, host: str, addresses: Sequence[str | Address], *, cname_chain: Sequence[str] = ()
     ) -> AddressDecision:
         """Check one DNS answer for `host`. Any refused address refuses the whole answer (a mixed
-        answer is a rebinding signal). Never raises."""
+        answer is a rebinding signal); an answer with no address is refused (`no_addresses`).
+        Never raises."""
         try:
-            return self._check_addresses(host, addresses, cname_chain)
+            return self._answers.check(host, addresses, cname_chain)
         except Exception as exc:
             return AddressDecision(
                 False, d.INTERNAL_ERROR, f"internal error: {type(exc).__name__}", _shown(host), ()
             )
 
-    def _check_addresses(
-        self, host: str, addresses: Sequence[str | Address], cname_chain: Sequence[str]
-    ) -> AddressDecision:
-        literal = parse_ip_literal(host)
-        name = str(literal) if literal is not None else normalize_host(host)
-        for alias in cname_chain:
-            try:
-                alias_name = normalize_host(alias)
-                refusal = name_refusal(alias_name, self._internal)
-            except PolicyError as exc:
-                refusal = (exc.reason, exc.message)
-            if refusal is not None:
-                return AddressDecision(
-                    False,
-                    d.INTERNAL_CNAME,
-                    f"{name}: its CNAME chain passes through {alias[:100]!r} ({refusal[0]})",
-                    name,
-                    (),
-                )
-        if not addresses:
-            return AddressDecision(
-                False, d.NO_ADDRESSES, f"{name}: the answer has no address", name, ()
-            )
-        platform = self._platform.get(name)
-        verdicts: list[Verdict] = []
-        rule_id: str | None = None
-        for raw in addresses:
-            verdict, rule = self._verdict(raw, platform)
-            verdicts.append(verdict)
-            if rule is not None and rule_id is None:
-                rule_id = rule
-        refused = [v for v in verdicts if not v.public]
-        if not refused:
-            shown = ", ".join(v.address for v in verdicts)
-            return AddressDecision(
-                True,
-                d.ALLOWED,
-                f"{name} -> {shown}: all addresses public",
-                name,
-                tuple(verdicts),
-                platform.id if platform else None,
-            )
-        first = refused[0]
-        if len(refused) < len(verdicts):
-            return AddressDecision(
-                False,
-                d.MIXED_ANSWER,
-                f"{name}: the answer mixes public and refused addresses "
-                f"({first.address}: {first.reason}); refused whole",
-                name,
-                tuple(verdicts),
-                rule_id,
-            )
-        return AddressDecision(
+
+def _platform_decision(platform: PlatformDestination, host: str, port: int | None) -> Decision:
+    if port is not None and port not in platform.ports:
+        return Decision(
             False,
-            first.reason,
-            f"{name} -> {first.address}: {first.name} ({first.reason})",
-            name,
-            tuple(verdicts),
-            rule_id,
+            d.PORT_NOT_ALLOWED,
+            f"{host}: port {port} is not a port of this platform destination",
+            host,
+            port,
+            platform.id,
         )
-
-    def _verdict(
-        self, raw: str | Address, platform: PlatformDestination | None
-    ) -> tuple[Verdict, str | None]:
-        address = parse_address(raw) if isinstance(raw, str) else raw
-        verdict = classify(raw if address is None else address, self.operator.addresses)
-        if address is None:
-            return verdict, None
-        blocked = self._blocking_rule(address)
-        if blocked is not None:
-            return replace(
-                verdict,
-                public=False,
-                reason=d.BLOCKED_ADDRESS,
-                name=f"blocked by {blocked.id}",
-                range=str(blocked.network),
-            ), blocked.id
-        if platform is not None and platform.cidrs:
-            inside = next((c for c in platform.cidrs if address in c), None)
-            if inside is None:
-                return replace(
-                    verdict,
-                    public=False,
-                    reason=d.OUTSIDE_PLATFORM_CIDRS,
-                    name=f"outside the CIDRs of {platform.id}",
-                ), platform.id
-            if not verdict.public and verdict.reason not in _NEVER_EXEMPT:
-                return replace(
-                    verdict,
-                    public=True,
-                    reason="platform_cidr",
-                    range=str(inside),
-                    name=f"inside the CIDRs of {platform.id}",
-                ), None
-        return verdict, None
+    return Decision(
+        True, d.PLATFORM_DESTINATION, f"{host} is a platform destination", host, port, platform.id
+    )
 
 
-def _blocked_by(path: str, prefix: str) -> bool:
-    return path_has_prefix(path, prefix) or (prefix.endswith("/") and path == prefix[:-1])
+def _path_refusal(
+    host: str,
+    port: int | None,
+    path: str,
+    decided: PathDecision,
+    urls: Sequence[Grant],
+    blocks: Sequence[Rule],
+) -> Decision:
+    """The denial for a path `decide_path` did not allow, worded with the reading that failed."""
+    where = f"{host}{_shown(path, _SHOWN_PATH)}"
+    reading = decided.reading
+    read_as = ""
+    if reading is not None and reading.path != path:
+        read_as = f" (read as {_shown(reading.path, _SHOWN_PATH)}: {reading.how})"
+    if decided.verdict == "blocked" and decided.index is not None:
+        rule = blocks[decided.index]
+        message = f"{where} is blocked by {rule.id} {quote(rule.pattern)}{read_as}"
+        return Decision(False, d.BLOCKED, message, host, port, rule.id)
+    rule_id = urls[0].rule.id if urls else None
+    prefixes = ", ".join(quote(g.rule.pattern) for g in urls[:3])
+    if decided.problem is not None:
+        return Decision(False, d.AMBIGUOUS_PATH, f"{host}: {decided.problem}", host, port, rule_id)
+    if decided.verdict == "outside":
+        message = f"{where} is outside the URL prefixes allowed for this host ({prefixes}){read_as}"
+        return Decision(False, d.PATH_NOT_ALLOWED, message, host, port, rule_id)
+    message = (
+        f"{where} is inside the URL prefixes allowed for this host ({prefixes}) as RFC 3986 "
+        f"reads it, but not on every server{read_as}: servers disagree on what it names"
+    )
+    return Decision(False, d.AMBIGUOUS_PATH, message, host, port, rule_id)
 
 
-def _port_fits(rule: Rule, scheme: str | None, port: int | None) -> bool:
-    if scheme is not None and rule.scheme != scheme:
-        return False
-    return port is None or rule.port == port
+def _first[T](*candidates: list[T] | None) -> T | None:
+    """The first entry of the first non-empty list."""
+    for entries in candidates:
+        if entries:
+            return entries[0]
+    return None
 
 
-def _shown(text: str) -> str:
-    return text if len(text) <= 100 else text[:100] + "…"
+def _shown(text: str, limit: int = 100) -> str:
+    return text if len(text) <= limit else text[:limit] + "…"

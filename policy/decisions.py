@@ -16,12 +16,14 @@ ALLOWED = "allowed"
 PLATFORM_DESTINATION = "platform_destination"
 # Name stage, denied (plus the hostnames codes ip_literal, invalid_host, loopback_name,
 # internal_name, single_label, and the urls codes invalid_target, unsupported_scheme,
-# invalid_port, ambiguous_path).
+# invalid_port).
 BLOCKED = "blocked"
 NOT_ALLOWED = "not_allowed"
 OUTSIDE_CEILING = "outside_ceiling"
 PORT_NOT_ALLOWED = "port_not_allowed"
 PATH_NOT_ALLOWED = "path_not_allowed"
+# A path servers read differently, or a form refused outright (policy/paths.py).
+AMBIGUOUS_PATH = "ambiguous_path"
 INSPECTION_DISABLED = "inspection_disabled"
 INTERNAL_ERROR = "internal_error"
 # Address stage, denied (plus each address row's own reason when every address is refused).

@@ -17,9 +17,10 @@ from policy.documents import Syntax, parse_document, require_mapping, syntax_for
 from policy.errors import PolicyError
 from policy.findings import Finding, describe_type, quote, unknown_key_message
 from policy.hostnames import check_entry, parse_ip_literal
+from policy.paths import canonical_prefix
 from policy.rules import Network, Rule
 from policy.trie import suffixes
-from policy.urls import DEFAULT_PORTS, normalize_path, parse_port
+from policy.urls import DEFAULT_PORTS, parse_port
 
 Format = Literal["agent.yaml", "agent.toml"]
 FORMATS: tuple[Format, ...] = ("agent.yaml", "agent.toml")
@@ -363,7 +364,7 @@ class _Checker:
         if host is None:
             return None
         try:
-            canonical = normalize_path(url_path)
+            canonical = canonical_prefix(url_path)
         except PolicyError as exc:
             self.find(path, value, "invalid_path", f"{quote(value)}: {exc.message}")
             return None
@@ -376,15 +377,18 @@ class _Checker:
                 f"{quote(value)}: the path is not in normal form; write {fixed!r}",
             )
             return None
+        # A blocked prefix holds on every scheme and port of its host (blocks fail closed);
+        # an allowed one on its own scheme and port only.
+        blocked = action == "block"
         return Rule(
             path,
             value,
-            action,
+            "block" if blocked else "allow",
             "url",
             "manifest",
-            host=host,  # type: ignore[arg-type]
-            scheme=scheme,
-            port=port,
+            host=host,
+            scheme=None if blocked else scheme,
+            port=None if blocked else port,
             path=url_path,
         )
 

@@ -8,7 +8,8 @@ from typing import Any, Literal
 
 Action = Literal["allow", "block"]
 # subtree: the host and every name under it; exact: the host alone; url: scheme + host + port +
-# path prefix; address: an IP address or CIDR (agent.toml).
+# path prefix (a blocked one: host + path prefix, `scheme` and `port` None, as it holds on every
+# scheme and port); address: an IP address or CIDR (agent.toml).
 Kind = Literal["subtree", "exact", "url", "address"]
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 

@@ -516,13 +516,29 @@ def test_resolve_blocked_literal_blocks_names_resolving_to_it(url_rules: Path) -
 
 
 @pytest.mark.parametrize(
-    "value",
-    ["api.github.com", "=1.1.1.1", "api.github.com=", "api.github.com=nope", "a:b=1.1.1.1", "x=1,"],
+    ("values", "says"),
+    [
+        (["api.github.com"], "HOST=ADDR"),
+        (["=1.1.1.1"], "no host"),
+        (["=1.2.3.4"], "no host"),
+        (["api.github.com=nope"], "'nope' is not an IP address"),
+        (["a:b=1.1.1.1"], "--resolve"),
+        (["x.github.com=1.1.1.1,"], "empty address"),
+        (["x.github.com=,"], "empty address"),
+        (["x.github.com=1.2.3.4,,"], "empty address"),
+        (["x.github.com=,1.2.3.4"], "empty address"),
+        (["x.github.com= "], "empty address"),
+        (["x.github.com=1.1.1.1", "x.github.com=2.2.2.2"], "given twice"),
+        (["X.GitHub.com.=1.1.1.1", "x.github.com="], "given twice"),
+        (["1.2.3.4=5.6.7.8"], "is an IP address"),
+        (["[::1]=::1"], "is an IP address"),
+    ],
 )
-def test_malformed_resolve_is_a_usage_error(github: Path, value: str) -> None:
-    result = cli("explain", github, "--resolve", value, "api.github.com")
+def test_malformed_resolve_is_a_usage_error(github: Path, values: list[str], says: str) -> None:
+    args = [arg for value in values for arg in ("--resolve", value)]
+    result = cli("explain", github, *args, "api.github.com")
     assert result.code == 2
-    assert "--resolve" in result.err and result.out == ""
+    assert "--resolve" in result.err and says in result.err and result.out == ""
 
 
 def test_platform_destinations_from_the_example_config() -> None:
@@ -567,6 +583,144 @@ def test_explain_json_through_the_installed_command(github: Path) -> None:
     (row,) = result.json()
     assert row.keys() >= EXPLAIN_KEYS
     assert row["allowed"] is True and row["stage"] == "address"
+
+
+# -- issue 11: path readings, blocked prefixes, brackets, empty answers ---------------------------
+
+
+@pytest.fixture
+def hardened(tmp_path: Path) -> Path:
+    return write(
+        tmp_path,
+        "agent.toml",
+        "schema_version = 1\n"
+        "[network_access]\n"
+        'allowed = ["https://ok.test/api/", "*.acme.com", "github.com"]\n'
+        'blocked = ["https://h.acme.com/admin/"]\n',
+    )
+
+
+def test_explain_decides_a_path_on_every_reading(hardened: Path) -> None:
+    targets = {
+        "https://ok.test/api/items": ("allowed", "allow+inspect"),
+        "https://ok.test/x//../api/": ("path_not_allowed", "DENY"),
+        "https://ok.test/api//../x": ("ambiguous_path", "DENY"),
+        "https://ok.test/api/%2e%2e/x": ("path_not_allowed", "DENY"),
+        "https://ok.test/api/%252e%252e/x": ("ambiguous_path", "DENY"),
+        "https://ok.test/api/x/..": ("ambiguous_path", "DENY"),
+    }
+    rows = by_target(explain(hardened, *targets))
+    for target, (reason, _) in targets.items():
+        assert rows[target]["reason"] == reason, rows[target]
+    ambiguous = rows["https://ok.test/api//../x"]["message"]
+    assert "nginx" in ambiguous and "as /x" in ambiguous
+    table = cli("explain", hardened, *targets).out.splitlines()
+    for target, (reason, decision) in targets.items():
+        line = next(line for line in table if f" {target} " in line)
+        assert line.split()[0] == decision and reason in line, line
+
+
+BLOCKED_TARGETS = [
+    "https://h.acme.com/admin/",
+    "http://h.acme.com/admin/",
+    "wss://h.acme.com/admin/",
+    "ws://h.acme.com:8080/admin/x",
+    "https://h.acme.com:8443/admin/",
+    "https://h.acme.com/admin./",
+    "https://h.acme.com/admin%20/",
+    "https://h.acme.com/admin;x/",
+    "https://h.acme.com/ADMIN",
+    "https://h.acme.com/admin",
+    "https://h.acme.com/admin//../x",
+    "http://h.acme.com:81/x/../admin/",
+]
+
+
+def test_explain_blocks_a_prefix_on_every_scheme_port_and_spelling(hardened: Path) -> None:
+    rows = by_target(explain(hardened, *BLOCKED_TARGETS, "https://h.acme.com/%2561dmin/"))
+    for target in BLOCKED_TARGETS:
+        row = rows[target]
+        assert (row["allowed"], row["reason"], row["rule"]) == (
+            False,
+            "blocked",
+            "network_access.blocked[0]",
+        ), row
+    double = rows["https://h.acme.com/%2561dmin/"]
+    assert (double["allowed"], double["reason"]) == (False, "ambiguous_path")
+    # The rest of the host stays open, and every TLS port of it is inspected.
+    rows = by_target(explain(hardened, "https://h.acme.com/public", "h.acme.com:8443"))
+    assert rows["https://h.acme.com/public"]["allowed"] is True
+    assert rows["h.acme.com:8443"]["needs_inspection"] is True
+
+
+def test_check_shows_a_blocked_prefix_on_any_scheme_and_port(hardened: Path) -> None:
+    result = cli("check", hardened)
+    assert result.code == 0, result.out
+    line = next(line for line in result.out.splitlines() if "network_access.blocked[0]" in line)
+    assert "*://h.acme.com:*/admin/" in line
+    (rule,) = [
+        r for r in cli("check", hardened, "--json").json()["rules"] if r["action"] == "block"
+    ]
+    assert (rule["scheme"], rule["port"], rule["path"]) == (None, None, "/admin/")
+
+
+@pytest.mark.parametrize(
+    ("pattern", "reason"),
+    [
+        ("https://ok.test/api;v=1/", "invalid_path"),
+        ("https://ok.test/admin./", "invalid_path"),
+        ("https://ok.test/a%20/", "invalid_path"),
+        ("https://ok.test/%2561/", "invalid_path"),
+        ("https://ok.test/a//b/", "not_canonical"),
+        ("https://ok.test/a/../b/", "not_canonical"),
+    ],
+)
+def test_check_refuses_url_patterns_no_request_could_match(
+    tmp_path: Path, pattern: str, reason: str
+) -> None:
+    for key in ("allowed", "blocked"):
+        manifest = write(
+            tmp_path, "agent.toml", f'schema_version = 1\n[network_access]\n{key} = ["{pattern}"]\n'
+        )
+        result = cli("check", manifest, "--json")
+        assert result.code == 1, result.out
+        (finding,) = result.json()["findings"]
+        assert finding["reason"] == reason, finding
+
+
+@pytest.mark.parametrize(
+    "target", ["[github.com]", "[github.com]:443", "https://[github.com]/", "[1.2.3.4]:443"]
+)
+def test_explain_refuses_a_bracketed_name(hardened: Path, target: str) -> None:
+    (row,) = explain(hardened, target)
+    assert (row["allowed"], row["reason"], row["stage"]) == (False, "invalid_host", "name")
+    assert "IPv6" in row["message"]
+
+
+def test_explain_refuses_a_bracketed_name_through_the_installed_command(hardened: Path) -> None:
+    result = run("explain", hardened, "[github.com]", "github.com")
+    assert result.code == 0
+    rows = [line.split() for line in result.out.splitlines()[1:]]
+    assert rows[0][:4] == ["DENY", "[github.com]", "name", "invalid_host"]
+    assert rows[1][0] == "allow"
+
+
+@pytest.mark.usefixtures("no_network")
+def test_explain_an_answer_without_addresses_is_a_denial(hardened: Path) -> None:
+    (row,) = explain(hardened, "--resolve", "github.com=", "github.com")
+    assert (row["allowed"], row["stage"], row["reason"]) == (False, "address", "no_addresses")
+    assert row["addresses"] == [] and "no address" in row["message"]
+    assert row["rule"] == "network_access.allowed[2]"
+    result = cli("explain", hardened, "--resolve", "GitHub.com.=", "https://github.com/x")
+    assert result.code == 0
+    (line,) = result.out.splitlines()[1:]
+    assert line.split()[:4] == ["DENY", "https://github.com/x", "address", "no_addresses"]
+
+
+def test_explain_duplicate_addresses_in_one_answer_count_once(hardened: Path) -> None:
+    (row,) = explain(hardened, "--resolve", "github.com=140.82.121.4,140.82.121.4", "github.com")
+    assert row["allowed"] is True
+    assert [a["address"] for a in row["addresses"]] == ["140.82.121.4"]
 
 
 # -- ceiling ---------------------------------------------------------------------------------------

@@ -170,7 +170,8 @@ URL = toml_policy(["https://api.acme.com/v1/", "http://plain.acme.com/p"])
         ("https://api.acme.com/v1/%2e%2e/admin", False, "path_not_allowed", False),
         ("https://api.acme.com/v1/..%2fadmin", False, "ambiguous_path", False),
         ("https://api.acme.com/v1/..;/admin", False, "ambiguous_path", False),
-        ("https://api.acme.com/v1/;/../admin", False, "path_not_allowed", False),
+        # RFC 3986 reads /v1/admin; servers that drop ';' and fold '//' read /admin.
+        ("https://api.acme.com/v1/;/../admin", False, "ambiguous_path", False),
         ("https://api.acme.com/v1/a;b=c/d", True, "allowed", True),
         ("http://api.acme.com/v1/", False, "not_allowed", False),
         ("http://plain.acme.com/p/x", True, "allowed", False),
@@ -201,7 +202,8 @@ def test_blocked_url_prefix_on_an_allowed_host() -> None:
     policy = toml_policy(["*.acme.com"], ["https://api.acme.com/admin/"])
     d = policy.decide("api.acme.com:443")
     assert (d.allowed, d.needs_inspection) == (True, True)
-    assert policy.decide("api.acme.com:8443").needs_inspection is False
+    # The block holds on every port, so every tunnel to the host is inspected.
+    assert policy.decide("api.acme.com:8443").needs_inspection is True
     assert policy.decide("https://api.acme.com/admin/users").reason == "blocked"
     assert policy.decide("https://api.acme.com/ADMIN/users").reason == "blocked"
     assert policy.decide("https://api.acme.com/x/../admin/").reason == "blocked"
@@ -210,6 +212,154 @@ def test_blocked_url_prefix_on_an_allowed_host() -> None:
     assert policy.decide("https://api.acme.com/administrator").allowed
     assert policy.decide("https://api.acme.com/public").allowed
     assert policy.decide("www.acme.com:443").needs_inspection is False
+
+
+# -- issue 11: paths on every reading, blocked prefixes on every scheme and port, brackets ----
+
+PATHS = toml_policy(["https://ok.test/api/", "*.acme.com"], ["https://h.acme.com/admin/"])
+
+
+@pytest.mark.parametrize(
+    ("target", "reason"),
+    [
+        ("https://ok.test/api/x", "allowed"),
+        ("https://ok.test/api/x//y", "allowed"),
+        # RFC 3986 (WHATWG, Node) reads /x/api/: outside, though folding '//' first gives /api/.
+        ("https://ok.test/x//../api/", "path_not_allowed"),
+        ("https://ok.test/x/.//../api/", "path_not_allowed"),
+        # RFC 3986 reads /api/x, nginx and Go fold '//' first and read /x.
+        ("https://ok.test/api//../x", "ambiguous_path"),
+        ("https://ok.test/api/a/.//../../x", "ambiguous_path"),
+        ("https://ok.test/api/x/..", "ambiguous_path"),
+        ("https://ok.test/api/%2e%2e/x", "path_not_allowed"),
+        ("https://ok.test/api/%2561", "ambiguous_path"),
+        ("https://ok.test/api/..%20/x", "ambiguous_path"),
+        ("https://ok.test/api/#/../../x", "ambiguous_path"),
+        ("https://ok.test/api./x", "path_not_allowed"),
+    ],
+)
+def test_a_path_is_decided_on_every_reading(target: str, reason: str) -> None:
+    d = PATHS.decide(target)
+    assert (d.allowed, d.reason) == (reason == "allowed", reason), d.message
+
+
+def test_a_refused_path_names_the_reading_that_fails() -> None:
+    d = PATHS.decide("https://ok.test/api//../x")
+    assert "/x" in d.message and "folded" in d.message and "nginx" in d.message
+    d = PATHS.decide("https://ok.test/x//../api/")
+    assert "/x/api/" in d.message and "RFC 3986" in d.message
+
+
+BLOCKED_SPELLINGS = [
+    "/admin/",
+    "/admin",
+    "/ADMIN",
+    "/Admin/users",
+    "/admin./",
+    "/admin.",
+    "/admin%20/",
+    "/admin;x/",
+    "/admin;jsessionid=1/users",
+    "/%61dmin/",
+    "//admin/",
+    "/x/../admin/",
+    "/admin//../x",
+    "/admin/../x",
+    "/admin::$DATA/",
+]
+
+
+@pytest.mark.parametrize("scheme", ["https://", "http://", "wss://", "ws://"])
+@pytest.mark.parametrize("port", ["", ":8443", ":80", ":8080", ":1"])
+@pytest.mark.parametrize("path", BLOCKED_SPELLINGS)
+def test_a_blocked_prefix_holds_on_every_scheme_and_spelling(
+    scheme: str, port: str, path: str
+) -> None:
+    d = PATHS.decide(f"{scheme}h.acme.com{port}{path}")
+    assert (d.allowed, d.reason, d.rule) == (False, "blocked", "network_access.blocked[0]")
+
+
+@pytest.mark.parametrize("path", ["/%2561dmin/", "/%252e%252e/admin/", "/admin%2f"])
+def test_a_blocked_prefix_spelled_in_a_refused_form_is_denied(path: str) -> None:
+    for scheme in ("https", "http", "wss"):
+        d = PATHS.decide(f"{scheme}://h.acme.com:8443{path}")
+        assert (d.allowed, d.reason) == (False, "ambiguous_path"), d
+
+
+def test_a_blocked_prefix_leaves_the_rest_of_the_host_open() -> None:
+    for target in ("https://h.acme.com/public", "http://h.acme.com:8080/administrator"):
+        assert PATHS.decide(target).allowed, target
+
+
+@pytest.mark.parametrize(
+    ("target", "inspect"),
+    [
+        ("h.acme.com", True),
+        ("h.acme.com:443", True),
+        ("h.acme.com:8443", True),
+        ("h.acme.com:80", True),  # a CONNECT: what goes inside is not known before the hello
+        ("https://h.acme.com:8443/public", True),
+        ("wss://h.acme.com:9443/socket", True),
+        ("http://h.acme.com:8080/public", False),  # plain HTTP is seen whole per request
+        ("ws://h.acme.com/socket", False),
+        ("www.acme.com:8443", False),  # no blocked path there
+    ],
+)
+def test_a_blocked_prefix_needs_inspection_on_every_tls_port(target: str, inspect: bool) -> None:
+    d = PATHS.decide(target)
+    assert (d.allowed, d.needs_inspection) == (True, inspect), d
+
+
+def test_without_inspection_every_tls_port_of_a_blocked_prefix_host_is_refused() -> None:
+    policy = toml_policy(
+        ["*.acme.com"],
+        ["https://h.acme.com/admin/"],
+        operator=OperatorRules(inspection_enabled=False),
+    )
+    for target in ("h.acme.com:443", "h.acme.com:8443", "https://h.acme.com:9443/x"):
+        assert policy.decide(target).reason == "inspection_disabled", target
+    assert policy.decide("http://h.acme.com:8080/x").allowed
+
+
+def test_allowed_prefixes_stay_exact() -> None:
+    for target in (
+        "http://ok.test/api/x",
+        "https://ok.test:8443/api/x",
+        "ws://ok.test/api/x",
+        "https://ok.test/API/x",
+    ):
+        d = PATHS.decide(target)
+        assert not d.allowed and d.reason in ("not_allowed", "path_not_allowed"), target
+
+
+def test_a_blocked_url_rule_names_no_scheme_or_port() -> None:
+    (rule,) = [r for r in PATHS.rules_json() if r["action"] == "block"]
+    assert (rule["kind"], rule["host"], rule["path"]) == ("url", "h.acme.com", "/admin/")
+    assert (rule["scheme"], rule["port"]) == (None, None)
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "[github.com]",
+        "[github.com]:443",
+        "[GITHUB.COM.]:443",
+        "https://[github.com]/",
+        "wss://[github.com]:443/x",
+        "[1.2.3.4]:443",
+        "[]:443",
+        "[api.github.com]",
+    ],
+)
+def test_brackets_around_a_name_are_an_invalid_host(target: str) -> None:
+    d = SEED.decide(target)
+    assert (d.allowed, d.reason) == (False, "invalid_host"), d
+    assert "IPv6" in d.message
+
+
+@pytest.mark.parametrize("target", ["[::1]:443", "[2606:4700::1111]", "[fe80::1%eth0]:443"])
+def test_brackets_around_an_ipv6_literal_are_an_ip_literal(target: str) -> None:
+    assert SEED.decide(target).reason == "ip_literal"
 
 
 def test_operator_ports() -> None:

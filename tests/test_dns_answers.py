@@ -181,7 +181,7 @@ async def test_other_types_of_an_allowed_name_get_no_records_and_are_never_forwa
         ("priv.test", REFUSED, "private"),
         ("mixed.test", REFUSED, "mixed_answer"),
         ("gone.test", NXDOMAIN, "dns_nxdomain"),
-        ("empty.test", NOERROR, "dns_no_address"),
+        ("empty.test", NOERROR, "no_addresses"),
         ("bad.test", SERVFAIL, "dns_error"),
     ],
 )

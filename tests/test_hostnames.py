@@ -672,7 +672,7 @@ def test_parse_ip_literal_round_trips_canonical_text(address: IPv4Address | IPv6
 @settings(max_examples=500)
 @given(st.one_of(st.text(alphabet="abz09-.*:/_XN", max_size=40), st.text(max_size=30)))
 def test_fast_path_agrees_with_the_full_check(value: str) -> None:
-    from policy.hostnames import _check_entry_in_full
+    from policy.entries import _check_entry_in_full
 
     for suffixes, allow_internal in (((), False), (("b.a",), False), ((), True)):
         assert check_entry(value, internal_suffixes=suffixes, allow_internal=allow_internal) == (

@@ -48,7 +48,8 @@ def add_check_parsers(sub: Any) -> None:
         action="append",
         default=[],
         metavar="HOST=ADDR[,ADDR...]",
-        help="check these addresses for HOST (no DNS is sent); repeatable",
+        help="check these addresses for HOST (no DNS is sent; 'HOST=' is an answer with no "
+        "address); once per host, repeatable",
     )
     explain.add_argument(
         "targets",
@@ -159,7 +160,9 @@ def _rule_target(rule: dict[str, Any]) -> str:
     if rule["kind"] == "address":
         return rule.get("network", rule["pattern"])
     if rule["kind"] == "url":
-        return f"{rule['scheme']}://{rule['host']}:{rule['port']}{rule['path']}"
+        # A blocked prefix holds on every scheme and port: it has neither.
+        scheme, port = rule["scheme"] or "*", rule["port"] or "*"
+        return f"{scheme}://{rule['host']}:{port}{rule['path']}"
     host = rule.get("host") or "*"
     return f"{host} (+ subdomains)" if rule["kind"] == "subtree" and host != "*" else host
 
@@ -168,27 +171,44 @@ def _rule_target(rule: dict[str, Any]) -> str:
 
 
 def _parse_resolve(values: Sequence[str]) -> dict[str, list[str]]:
+    """`--resolve HOST=ADDR[,ADDR...]` values as the DNS answers they stand for, keyed by the
+    normalised host. `HOST=` is an answer with no address (the address stage refuses it);
+    anything else that could not come from DNS is a usage error naming the value."""
     table: dict[str, list[str]] = {}
+    spelled: dict[str, str] = {}
     for value in values:
-        shown = repr(value[:100])
         host, sep, answer = value.partition("=")
-        if not sep or not host or not answer:
-            raise PolicyError("usage", f"--resolve {shown}: write HOST=ADDR[,ADDR...]")
-        literal = parse_ip_literal(host)
+
+        def usage(why: str, value: str = value) -> PolicyError:
+            return PolicyError(
+                "usage", f"--resolve {value[:100]!r}: {why}; write HOST=ADDR[,ADDR...]"
+            )
+
+        if not sep:
+            raise usage("no '='")
+        if not host:
+            raise usage("no host before '='")
+        if parse_ip_literal(host.removeprefix("[").removesuffix("]")) is not None:
+            raise usage(f"{host[:100]!r} is an IP address, which is never resolved")
         try:
-            key = str(literal) if literal is not None else normalize_host(host)
+            key = normalize_host(host)
         except PolicyError as exc:
-            raise PolicyError("usage", f"--resolve {shown}: {exc.message}") from None
-        addresses = [a.strip() for a in answer.split(",")]
+            raise usage(exc.message) from None
+        if key in table:
+            raise usage(
+                f"{key} is given twice (also as {spelled[key][:100]!r}); give all of its "
+                "addresses in one --resolve"
+            )
+        addresses = [a.strip() for a in answer.split(",")] if answer else []
+        if any(not a for a in addresses):
+            raise usage("an empty address in the list")
         # A DNS answer only ever holds addresses: anything else here is a typo, and checking it
         # would report a refusal the running proxy could never make.
         bad = next((a for a in addresses if parse_address(a) is None), None)
         if bad is not None:
-            raise PolicyError(
-                "usage",
-                f"--resolve {shown}: {bad!r} is not an IP address; write HOST=ADDR[,ADDR...]",
-            )
-        table.setdefault(key, []).extend(addresses)
+            raise usage(f"{bad[:100]!r} is not an IP address")
+        table[key] = list(dict.fromkeys(addresses))  # the resolver drops repeats too
+        spelled[key] = host
     return table
 
 

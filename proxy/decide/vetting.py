@@ -21,6 +21,9 @@ from proxy.decide.events import DecisionEvent
 from proxy.errors import ProxyError
 from proxy.reasons import INSPECTION_UNSUPPORTED, Refused
 
+# The resolver's reason for NOERROR with no A or AAAA record (proxy/net/resolver.py).
+NO_ADDRESS_ANSWER = "dns_no_address"
+
 if TYPE_CHECKING:
     from policy import AddressDecision, Decision, Policy
     from proxy.decide.events import AuditSink, MetricsSink
@@ -259,14 +262,21 @@ class Vetter:
             except ProxyError as exc:
                 if self.metrics is not None:
                     self.metrics.dns_lookup(time.monotonic() - started, exc.reason)
-                # Every DNS failure, a timeout included, is a 502 (DESIGN 3.6); 504 is kept
-                # for an upstream that does not answer the connect.
-                refused = Refused(502, exc.reason, exc.message, error=True)
-                self.refusal(refused, peer, host, port, protocol, stage="dns", **context)
-                raise refused from None
-            if self.metrics is not None:
+                if exc.reason != NO_ADDRESS_ANSWER:
+                    # Every DNS failure, a timeout included, is a 502 (DESIGN 3.6); 504 is kept
+                    # for an upstream that does not answer the connect.
+                    refused = Refused(502, exc.reason, exc.message, error=True)
+                    self.refusal(refused, peer, host, port, protocol, stage="dns", **context)
+                    raise refused from None
+                # An answer with no address is an answer: the address stage refuses it
+                # (`no_addresses`, 403), as `explain --resolve HOST=` does.
+                answer = None
+            if answer is not None and self.metrics is not None:
                 self.metrics.dns_lookup(time.monotonic() - started, "ok")
-            addresses, cname_chain = tuple(answer.addresses), tuple(answer.cname_chain)
+            if answer is None:
+                addresses = ()
+            else:
+                addresses, cname_chain = tuple(answer.addresses), tuple(answer.cname_chain)
         checked = self._check_addresses(policy, host, addresses, cname_chain)
         self.record(checked, peer, protocol, port=port, rule=decision.rule, **context)
         if not checked.allowed or not checked.pinned:

@@ -88,7 +88,7 @@ UDP_ANSWER_LIMIT = 512
 
 _FAMILY: dict[int, int] = {A: 4, AAAA: 6}
 # DNS failures of the resolver that have an answer of their own (every other one is SERVFAIL).
-_DNS_FAILURE_RCODES = {"dns_nxdomain": NXDOMAIN, "dns_no_address": NOERROR}
+_DNS_FAILURE_RCODES = {"dns_nxdomain": NXDOMAIN}
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +209,8 @@ class DnsResponder:
         except Refused as refused:
             if refused.error:  # a DNS failure of our resolver
                 return DnsAnswer(_DNS_FAILURE_RCODES.get(refused.reason, SERVFAIL), refused.reason)
+            if refused.reason == d.NO_ADDRESSES:  # the name has no address: say just that
+                return DnsAnswer(NOERROR, refused.reason)
             return DnsAnswer(REFUSED, refused.reason)
         family = _FAMILY[question.qtype]
         addresses = tuple(a for a in vetted.pinned if ipaddress.ip_address(a).version == family)

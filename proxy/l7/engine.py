@@ -79,6 +79,8 @@ from mitmproxy.proxy.layers import modes
 from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.layers.http import _http1 as mitm_http1_layer
 
+from policy import PolicyError
+from policy.urls import split_authority
 from proxy.decide.events import CloseEvent
 from proxy.decide.sni_gate import check_hello
 from proxy.decide.vetting import Peer, Vetter, canonical_host
@@ -504,9 +506,10 @@ class EgressAddon:
         host, port = flow.request.host, flow.request.port
         try:
             self._disarm_head_timer(self._clients.get(client.id))
-            decision, _ = await self._vet(
-                authority(host, port), host, port, client, "connect", method="CONNECT"
-            )
+            # Decided on the authority as the client wrote it: mitmproxy strips brackets from
+            # any name ('[github.com]:443'), and brackets hold an IPv6 literal only.
+            target = flow.request.authority or authority(host, port)
+            decision, _ = await self._vet(target, host, port, client, "connect", method="CONNECT")
             self._tunnels[flow.server_conn.id] = _Tunnel(
                 decision.host, port, inspect=decision.needs_inspection
             )
@@ -612,7 +615,8 @@ class EgressAddon:
         header = request.headers.get_all("host")
         name = None
         if len(header) == 1:
-            with contextlib.suppress(ValueError):
+            with contextlib.suppress(ValueError, PolicyError):
+                split_authority(header[0])  # brackets hold an IPv6 literal, never a name
                 name, _ = mitm_url.parse_authority(header[0], check=True)
         if not name:
             refused = Refused(
@@ -655,8 +659,9 @@ class EgressAddon:
             reason_message = f"{len(header)} Host headers"
         else:
             try:
+                split_authority(header[0])  # brackets hold an IPv6 literal, never a name
                 h_host, h_port = mitm_url.parse_authority(header[0], check=True)
-            except ValueError:
+            except (ValueError, PolicyError):
                 h_host, h_port = None, None
                 reason_message = "invalid Host header"
             if h_host is not None:
