@@ -5,13 +5,12 @@ A/AAAA, must never reach it."""
 
 from __future__ import annotations
 
-import io
 import json
 from typing import Any
 
 import pytest
 from dns_server import DNSServer
-from running import metric_value
+from running import AuditText, metric_value
 from test_engine import ExplodingPolicy
 
 from policy import Policy, compile_policy, load_manifest
@@ -63,10 +62,11 @@ class Responder:
     """A DnsResponder with its audit lines and metrics at hand."""
 
     def __init__(self, dns: DNSServer, policy: Policy) -> None:
-        self.stream = io.StringIO()
+        self.stream = AuditText()
         self.metrics = Metrics()
         resolver = Resolver([dns.address], timeout=1.0)
         self.audit = audit = AuditLog(stream=self.stream)
+        self.stream.log = audit
         self.vetter = Vetter(policy, resolver, self.metrics, audit, plane="l7")
         self.responder = DnsResponder(self.vetter, self.metrics)
 
@@ -77,7 +77,6 @@ class Responder:
         return await self.responder.answer(query, PEER)
 
     def lines(self) -> list[dict[str, Any]]:
-        self.audit.flush()  # lines are written once per loop iteration
         return [json.loads(line) for line in self.stream.getvalue().splitlines()]
 
     def count(self, qtype: str, rcode: str) -> float:
