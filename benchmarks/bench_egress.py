@@ -10,10 +10,10 @@ with a note, not failed: `inspection.mode: all` is measured from the day it exis
 
 Built in: `egress-proxy` (the default data plane; an HTTP listener, a SOCKS5 listener and a DNS
 listener, as a sidecar runs it), `egress-url-prefix` (an agent.toml with a URL-prefix rule for
-another host: the interception engine is loaded, and its TLS is measured), `egress-inspect-all`
-(`inspection.mode: all`), `egress-engine-only` (`--engine-only`, while it exists). More with
-`--egress-config FILE` (see benchmarks/README.md). `--baseline-tree PATH` runs a configuration
-from another checkout, for an A/B in the same rounds.
+another host: the interception engine is loaded, and its TLS is measured), `egress-toml` (an
+agent.toml without one), `egress-inspect-all` (`inspection.mode: all`), `egress-engine-only`
+(`--engine-only`, while it exists). More with `--egress-config FILE` (benchmarks/README.md).
+`--baseline-tree PATH` runs a configuration from another checkout, for an A/B in the same rounds.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ CONFIG_FILE_KEYS = {
     "config",
     "args",
     "passthrough",
-    "url_rules",
+    "needs_engine",
     "inspected_host",
     "inspected_path",
 }
@@ -81,7 +81,9 @@ class EgressConfig:
     config: Mapping[str, Any]  # operator keys merged over the base config
     args: tuple[str, ...] = ()
     passthrough: bool = True  # CONNECT/SOCKS5 to bench.test is relayed, not intercepted
-    url_rules: bool = False  # the policy has URL-prefix rules (the idle RSS target excludes it)
+    # It needs the interception engine (URL-prefix rules, inspection.mode: all, --engine-only):
+    # the idle RSS target, which is about sessions that need none, does not judge it.
+    needs_engine: bool = False
     inspected_host: str | None = None  # HTTPS to this host is intercepted: the inspect workload
     inspected_path: str = "/"
     tree: Path | None = None  # another checkout (--baseline-tree); None: this one
@@ -113,9 +115,18 @@ BUILTIN: dict[str, EgressConfig] = {
             f'["*.{HOST}", "https://{INSPECTED_HOST}:{ORIGIN_TLS_PORT}{INSPECTED_PATH}/"]\n',
             "agent.toml",
             {},
-            url_rules=True,
+            needs_engine=True,
             inspected_host=INSPECTED_HOST,
             inspected_path=f"{INSPECTED_PATH}/x",
+        ),
+        EgressConfig(
+            "egress-toml",
+            "as egress-proxy, with an agent.toml of exact and wildcard hosts (bench.test, "
+            "*.bench.test) and no URL prefix",
+            'schema_version = 1\nname = "bench"\n\n[network_access]\nallowed = '
+            f'["{HOST}", "*.{HOST}"]\n',
+            "agent.toml",
+            {},
         ),
         EgressConfig(
             "egress-inspect-all",
@@ -124,6 +135,7 @@ BUILTIN: dict[str, EgressConfig] = {
             "agent.yaml",
             {"inspection": {"mode": "all"}},
             passthrough=False,
+            needs_engine=True,
             inspected_host=HOST,
         ),
         EgressConfig(
@@ -134,6 +146,7 @@ BUILTIN: dict[str, EgressConfig] = {
             {},
             args=("--engine-only",),
             listeners=False,
+            needs_engine=True,
         ),
     )
 }
@@ -173,7 +186,7 @@ def load_config_file(path: Path) -> EgressConfig:
         config=typed("config", dict, {}),
         args=tuple(args),
         passthrough=typed("passthrough", bool, True),
-        url_rules=typed("url_rules", bool, False),
+        needs_engine=typed("needs_engine", bool, False),
         inspected_host=typed("inspected_host", (str, type(None)), None),
         inspected_path=typed("inspected_path", str, "/"),
     )

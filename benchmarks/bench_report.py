@@ -70,7 +70,9 @@ def targets_section(rows: Sequence[Row], rounds: int) -> list[str]:
     out = []
     for r in rows:
         unit = r["unit"]
-        if r["goal"] is None:
+        if r.get("goal_text"):
+            goal = r["goal_text"]
+        elif r["goal"] is None:
             goal = "reported"
         elif r["absolute"]:
             goal = f"{r['op']} {with_unit(r['goal'], unit)}"
@@ -124,6 +126,28 @@ def figure_table(summary: Mapping[str, Row], columns: Sequence[Column]) -> str:
         for config, r in summary.items()
     ]
     return table(head, rows)
+
+
+def ab_section(rows: Sequence[Row]) -> list[str]:
+    head = ["figure", "configuration", "this tree", "baseline tree", "ratio", "rounds"]
+    body = [
+        [
+            r["name"],
+            r["config"],
+            with_unit(r["value"], r["unit"]),
+            with_unit(r["baseline_value"], r["unit"]),
+            ratio(r["ratio"]),
+            str(r["rounds"]),
+        ]
+        for r in rows
+        if r["value"] is not None or r["baseline_value"] is not None
+    ]
+    return [
+        table(head, body),
+        "",
+        "Each ratio is the median over rounds of this tree's figure divided by the baseline "
+        "tree's in the same round (both run side by side, interleaved).",
+    ]
 
 
 def tunnels_section(summary: Mapping[str, Row], settings: Mapping[str, Any]) -> list[str]:
@@ -409,6 +433,8 @@ def render(document: Mapping[str, Any], plots: Sequence[str], plot_note: str | N
         section(
             "Targets (ratios to squid, same run)", targets_section(summary["targets"], s["rounds"])
         )
+    if summary.get("ab"):
+        section("A/B: this tree against the baseline tree", ab_section(summary["ab"]))
     if summary.get("tunnels"):
         section("1. New CONNECT tunnels", tunnels_section(summary["tunnels"], s), "tunnels.png")
     if summary.get("bulk"):
@@ -455,6 +481,25 @@ def write(document: Mapping[str, Any], out: Path) -> str:
     return text
 
 
+def resummarised(document: Mapping[str, Any]) -> dict[str, Any]:
+    """The summary computed again from the run's samples (the report follows the harness's
+    current summary, never a mix of runs)."""
+    from bench_egress import EgressConfig
+    from bench_summary import summaries
+
+    egress = {}
+    for name, fields in document.get("egress_configs", {}).items():
+        tree = fields.get("tree")
+        egress[name] = EgressConfig(
+            **{
+                **fields,
+                "args": tuple(fields.get("args", ())),
+                "tree": Path(tree) if tree else None,
+            }
+        )
+    return summaries(document["samples"], egress)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("json", type=Path, help="a bench.json written by benchmarks/bench.py")
@@ -462,6 +507,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         document = json.loads(args.json.read_text())
+        document["summary"] = resummarised(document)
         text = write(document, args.out or args.json.parent)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         print(

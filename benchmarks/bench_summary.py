@@ -148,6 +148,7 @@ def summaries(
     )
     sessions = out["sessions"] if samples.get("sessions") else None
     out["targets"] = bench_targets.evaluate(main, egress, sessions)
+    out["ab"] = bench_targets.ab(main, egress)
     return out
 
 

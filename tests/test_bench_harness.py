@@ -545,7 +545,9 @@ def test_targets_that_do_not_apply_to_a_configuration_say_why() -> None:
     chosen = {n: egress.BUILTIN[n] for n in ("egress-url-prefix", "egress-inspect-all")}
     rows = {(r["config"], r["target"]): r for r in targets.evaluate(main, chosen)}
     rss = rows[("egress-url-prefix", "idle_rss")]
-    assert rss["met"] is None and "URL-prefix" in rss["why_not"] and rss["ratio"] is not None
+    assert (
+        rss["met"] is None and "interception engine" in rss["why_not"] and rss["ratio"] is not None
+    )
     tunnels = rows[("egress-inspect-all", "cpu_per_tunnel")]
     assert tunnels["met"] is None and "intercepts" in tunnels["why_not"]
 
