@@ -253,12 +253,36 @@ def launcher(tree: Path | None) -> tuple[list[str], dict[str, str]]:
     return [sys.executable, "-c", code], env
 
 
+def _imports_elsewhere(tree: Path, env: Mapping[str, str]) -> str | None:
+    """Why `tree`'s proxy and policy packages are not the ones its launcher imports (an A/B is
+    only one when the other tree's code is what runs), or None."""
+    done = subprocess.run(
+        [sys.executable, "-c", "import proxy, policy; print(proxy.__file__, policy.__file__)"],
+        capture_output=True,
+        text=True,
+        env=dict(env),
+        cwd=tree,
+        timeout=60,
+    )
+    files = done.stdout.split()
+    if (
+        done.returncode == 0
+        and len(files) == 2
+        and all(Path(f).is_relative_to(tree) for f in files)
+    ):
+        return None
+    found = done.stdout.strip() or done.stderr.strip()[-300:]
+    return f"its proxy and policy packages do not import from {tree}: {found}"
+
+
 def unsupported(config: EgressConfig, directory: Path, env: Mapping[str, str]) -> str | None:
     """Why the proxy under test cannot run `config` (an option its `run --help` lacks, a config
     its `check` refuses), or None."""
     command, extra = launcher(config.tree)
     run_env = {**env, **extra}
     cwd = config.tree or ROOT
+    if config.tree is not None and (wrong := _imports_elsewhere(config.tree, run_env)):
+        return wrong
     done = subprocess.run(
         [*command, "run", "--help"],
         capture_output=True,
@@ -371,7 +395,8 @@ def start(
         except RuntimeError as exc:
             stop_child(process, STOP_TIMEOUT_S)
             error = f"{config.name}: {exc}: {_tail(directory)}"
-            if process.returncode == 2 and "bind" in error.lower():
+            said = error.lower()
+            if process.returncode == 2 and any(w in said for w in ("listen", "bind", "in use")):
                 continue  # a port was taken in between: fresh ones
             break
         return EgressProxy(

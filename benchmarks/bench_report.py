@@ -101,6 +101,8 @@ def targets_section(rows: Sequence[Row], rounds: int) -> list[str]:
             ]
         )
     judged = [r for r in rows if r["met"] is not None]
+    if not any(r["squid"] is not None for r in rows):
+        out.append(["(squid did not run: no ratio can be judged)", *["-"] * (len(head) - 1)])
     count = sum(1 for r in judged if r["met"])
     return [
         table(head, out),

@@ -46,7 +46,7 @@
 #define MAX_COUNT 2000000L
 #define KEPT_ERRORS 3
 #define ERROR_LIMIT 50
-#define UPSTREAM_LIFETIME 3600
+#define UPSTREAM_LIFETIME (6 * 3600) /* a safety net: the harness ends it by closing stdin */
 #define CHUNK (1 << 20)
 #define BULK_WARMUP (64L << 20)
 #define MAX_BULK_TUNNELS 256

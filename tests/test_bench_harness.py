@@ -15,6 +15,7 @@ import contextlib
 import importlib
 import json
 import os
+import shutil
 import socket
 import ssl
 import struct
@@ -358,6 +359,27 @@ def test_egress_configs_are_checked_by_the_proxy_under_test(tmp_path: Path) -> N
     flag = egress.EgressConfig("flag", "", default.manifest, "agent.yaml", {}, ("--no-such-flag",))
     egress.write_inputs(tmp_path / "flag", flag, base, None)
     assert "--no-such-flag" in (egress.unsupported(flag, tmp_path / "flag", env) or "")
+
+
+def test_a_baseline_tree_runs_its_own_code(tmp_path: Path) -> None:
+    """--baseline-tree: the other checkout's packages are the ones its launcher imports, and
+    the proxy there is asked what it accepts (a copy of this checkout, here)."""
+    root = BENCHMARKS.parent
+    tree = tmp_path / "baseline"
+    for name in ("proxy", "policy"):
+        shutil.copytree(root / name, tree / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(root / "pyproject.toml", tree)
+    twin = egress.baseline_of(egress.BUILTIN["egress-proxy"], tree)
+    assert twin.name == "egress-proxy-baseline" and twin.tree == tree
+    command, extra = egress.launcher(tree)
+    assert extra == {"PYTHONPATH": str(tree)} and "proxy.cli" in command[-1]
+    env = {**egress.proxy_env(PYCACHE), **extra}
+    assert egress._imports_elsewhere(tree, env) is None
+    base = egress.base_config(("127.0.0.1", 53), tmp_path / "ca", None)
+    egress.write_inputs(tmp_path / "twin", twin, base, None)
+    assert egress.unsupported(twin, tmp_path / "twin", egress.proxy_env(PYCACHE)) is None
+    shutil.rmtree(tree / "policy")  # no longer a checkout of its own: refused, and why
+    assert "do not import from" in (egress._imports_elsewhere(tree, env) or "")
 
 
 def test_a_configuration_file_is_read_or_refused_with_its_key(tmp_path: Path) -> None:
