@@ -38,11 +38,14 @@ lint: $(STAMP)
 bench-policy: $(STAMP)
 	$(PY) benchmarks/policy_decide.py
 
-# The benchmark harness against peers (benchmarks/README.md): `make bench-deps` once, then
-# `make bench` (full) or `make bench-quick` (under 2 minutes). ARGS passes options on, e.g.
-# `make bench-quick ARGS='--configs direct,fast,squid'`. A peer that is not installed is
-# skipped with a note. The packages' own services are not used (nor needed).
-BENCH_PACKAGES := squid tinyproxy privoxy wrk nginx-light
+# The benchmark harness (benchmarks/README.md): `make bench-deps` once, then `make bench` (full:
+# every configuration, 3 rounds) or `make bench-quick` (2 rounds of direct, egress-proxy, squid
+# and tinyproxy: under 2 minutes). ARGS passes options on, e.g.
+# `make bench-quick ARGS='--configs direct,egress-proxy,squid --workloads tunnels,http'`. A peer
+# that is not installed is skipped with a note; the load generator (benchmarks/loadgen.c) is
+# compiled with gcc into benchmarks/build/ (OpenSSL's headers add its HTTPS mode). The
+# packages' own services are not used (nor needed).
+BENCH_PACKAGES := squid tinyproxy privoxy wrk nginx-light gcc libssl-dev
 
 bench-deps: $(STAMP)
 	@if [ "$$(id -u)" = 0 ]; then apt-get install -y $(BENCH_PACKAGES); \
@@ -56,4 +59,4 @@ bench-quick: $(STAMP)
 	$(PY) benchmarks/bench.py --quick $(ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .ruff_cache
+	rm -rf $(VENV) build benchmarks/build *.egg-info .pytest_cache .hypothesis .ruff_cache

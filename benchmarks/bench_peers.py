@@ -35,7 +35,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tunnels import stop_child
+from bench_proc import accepts, connect_accepted, race_probes, stop_child
 
 LOOPBACK = "127.0.0.1"
 PEERS = ("tinyproxy", "privoxy", "squid", "mitmdump")
@@ -268,14 +268,44 @@ def squid_config(
     return "\n".join(lines) + "\n"
 
 
-def nginx_config(port: int, directory: Path, body_bytes: int) -> str:
+@dataclass(frozen=True)
+class OriginTLS:
+    """nginx's HTTPS server: its port, its certificate chain and key (files)."""
+
+    port: int
+    cert: Path
+    key: Path
+
+
+def nginx_config(port: int, directory: Path, body_bytes: int, tls: OriginTLS | None = None) -> str:
     """A single-process nginx answering every path with `body_bytes` bytes, keep-alive without
-    limits, and /nginx_status (stub_status: the request count the harness checks)."""
+    limits, and /nginx_status (stub_status: the request count the harness checks); with `tls`,
+    the same over HTTPS on a second port."""
     body = "x" * max(0, body_bytes - 1) + "\\n" if body_bytes else ""
     temp = "\n".join(
         f"    {kind}_temp_path {directory / kind};"
         for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
     )
+    locations = f"""\
+        location = /nginx_status {{
+            stub_status;
+        }}
+        location / {{
+            default_type text/plain;
+            return 200 "{body}";
+        }}"""
+    https = ""
+    if tls is not None:
+        https = f"""
+    server {{
+        listen {LOOPBACK}:{tls.port} ssl backlog=4096;
+        server_name _;
+        ssl_certificate {tls.cert};
+        ssl_certificate_key {tls.key};
+        ssl_session_cache off;
+        ssl_session_tickets off;
+{locations}
+    }}"""
     return f"""\
 daemon off;
 master_process off;
@@ -293,14 +323,8 @@ http {{
     server {{
         listen {LOOPBACK}:{port} backlog=4096;
         server_name _;
-        location = /nginx_status {{
-            stub_status;
-        }}
-        location / {{
-            default_type text/plain;
-            return 200 "{body}";
-        }}
-    }}
+{locations}
+    }}{https}
 }}
 """
 
@@ -350,7 +374,8 @@ class Served:
     port: int
     directory: Path
     started: float
-    ready_s: float = 0.0
+    ready_s: float = 0.0  # exec to the first accepted TCP connection
+    first_connect_s: float | None = None  # exec to the first CONNECT answered 200 (peers)
 
     @property
     def pid(self) -> int:
@@ -365,29 +390,17 @@ class Served:
         return stop_child(self.process, STOP_TIMEOUT)
 
 
-def wait_listening(served: Served, timeout: float = READY_TIMEOUT) -> None:
-    """Until 127.0.0.1:port accepts a connection (polled every 5 ms), or RuntimeError."""
-    deadline = served.started + timeout
-    while True:
-        try:
-            with socket.create_connection((LOOPBACK, served.port), timeout=1.0):
-                served.ready_s = time.perf_counter() - served.started
-                return
-        except OSError:
-            pass
-        if served.process.poll() is not None:
-            raise RuntimeError(
-                f"{served.name} exited ({served.process.returncode}) before listening on "
-                f"port {served.port}:\n{served.stderr_tail()}"
-            )
-        if time.perf_counter() > deadline:
-            raise RuntimeError(f"{served.name} not listening within {timeout:g} s")
-        time.sleep(0.005)
-
-
 def spawn(
-    name: str, command: Sequence[str], port: int, directory: Path, env: dict[str, str] | None
+    name: str,
+    command: Sequence[str],
+    port: int,
+    directory: Path,
+    env: dict[str, str] | None,
+    probe_port: int | None = None,
 ) -> Served:
+    """`command` started in `directory` and listening on 127.0.0.1:`port`; with `probe_port`,
+    also until a CONNECT bench.test:probe_port through it is answered 200 (both timed from
+    exec, polled every 2 ms)."""
     with open(directory / "stderr.txt", "wb") as err:
         started = time.perf_counter()
         process = subprocess.Popen(
@@ -399,11 +412,16 @@ def spawn(
             stderr=err,
         )
     served = Served(name, process, port, directory, started)
+    probes = {"ready_s": accepts(port)}
+    if probe_port is not None:
+        probes["first_connect_s"] = connect_accepted(port, "bench.test", probe_port)
     try:
-        wait_listening(served)
-    except BaseException:
+        times = race_probes(process, started, probes, READY_TIMEOUT)
+    except RuntimeError as exc:
         served.stop()
-        raise
+        raise RuntimeError(f"{name} on port {port}: {exc}:\n{served.stderr_tail()}") from None
+    served.ready_s = times["ready_s"]
+    served.first_connect_s = times.get("first_connect_s")
     return served
 
 
@@ -460,10 +478,11 @@ def start_peer(
     domains: Sequence[str],
     env: dict[str, str] | None = None,
     shared: Path | None = None,
+    probe_port: int | None = None,
 ) -> Served:
     """The peer running with its own configuration in `directory`, listening (or RuntimeError
     after START_ATTEMPTS tries on fresh ports). `shared` (default: the parent of `directory`)
-    holds what the run's instances share."""
+    holds what the run's instances share; `probe_port`: see spawn()."""
     directory.mkdir(parents=True, exist_ok=True)
     # A peer that drops privileges (squid to `proxy`) still reads its files here.
     directory.chmod(0o755)
@@ -479,29 +498,34 @@ def start_peer(
         elif status.name in SYSTEM_RESOLVER:
             raise RuntimeError(f"{status.name}: {problem}")
         try:
-            return spawn(status.name, command, port, directory, env)
+            return spawn(status.name, command, port, directory, env, probe_port)
         except RuntimeError as exc:
             error = exc
     assert error is not None
     raise error
 
 
-def start_origin(nginx: str, directory: Path, body_bytes: int) -> Served:
-    """nginx as the HTTP origin (single process, its own configuration in `directory`)."""
+def start_origin(
+    nginx: str, directory: Path, body_bytes: int, tls: tuple[Path, Path] | None = None
+) -> tuple[Served, OriginTLS | None]:
+    """nginx as the HTTP origin (single process, its own configuration in `directory`), and
+    its HTTPS server when `tls` (certificate chain, key) is given."""
     directory.mkdir(parents=True, exist_ok=True)
     error: RuntimeError | None = None
     for _ in range(START_ATTEMPTS):
-        port = free_port()
+        port, tls_port = free_port(), free_port()
+        https = OriginTLS(tls_port, *tls) if tls else None
         conf = directory / "nginx.conf"
-        conf.write_text(nginx_config(port, directory, body_bytes))
+        conf.write_text(nginx_config(port, directory, body_bytes, https))
         try:
-            return spawn(
+            served = spawn(
                 "nginx",
                 [nginx, "-p", str(directory), "-e", "stderr", "-c", str(conf)],
                 port,
                 directory,
                 None,
             )
+            return served, https
         except RuntimeError as exc:
             error = exc
     assert error is not None

@@ -12,21 +12,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-Row = dict[str, float | None]
+Row = Mapping[str, Any]
 LABELS = {
-    "direct": "direct",
-    "fast": "egress-proxy fast path",
-    "engine": "egress-proxy engine only",
+    "direct": "direct (no proxy)",
     "tinyproxy": "tinyproxy",
     "privoxy": "privoxy",
     "squid": "squid",
     "mitmdump": "mitmdump (no policy)",
 }
-SHORT = {"fast": "egress fast", "engine": "egress engine", "mitmdump": "mitmdump"}
+UNIT_FORMATS = {"µs": ",.0f", "/s": ",.0f", "MB/s": ",.0f", "s/GiB": ".2f", "MB": ".1f", "s": ".3f"}
 
 
 def cell(value: Any, fmt: str, suffix: str = "") -> str:
@@ -57,83 +55,188 @@ def label(config: str) -> str:
     return LABELS.get(config, config)
 
 
+def with_unit(value: Any, unit: str) -> str:
+    text = cell(value, UNIT_FORMATS.get(unit, ".3g"))
+    return text if text == "-" else f"{text} {unit}" if unit != "/s" else f"{text}/s"
+
+
 # --------------------------------------------------------------------------------------------
-# Tables
+# Sections
 
 
-def tunnels_section(summary: dict[str, Row], settings: dict[str, Any]) -> list[str]:
-    levels = [1, *settings["concurrency"]]
-    head = ["", "new tunnel p50 ms", "p99 ms", "p50 vs direct"]
-    for c in levels:
-        head += [f"tunnels/s @{c}", "vs direct"]
-    head += [f"proxy CPU µs/tunnel @{c}" for c in levels]
-    rows = []
-    for config, r in summary.items():
-        row = [label(config), cell(r["latency_p50_ms"], ".3f"), cell(r["latency_p99_ms"], ".3f")]
-        row.append(ratio(r.get("latency_p50_ms_vs_direct")))
-        for c in levels:
-            row += [
-                cell(r[f"tunnels_per_s_{c}"], ",.0f"),
-                ratio(r.get(f"tunnels_per_s_{c}_vs_direct")),
-            ]
-        row += [cell(r[f"proxy_cpu_us_per_tunnel_{c}"], ",.0f") for c in levels]
-        rows.append(row)
-    out = [table(head, rows), ""]
-    direct = summary.get("direct")
-    others = [
-        (r[f"tunnels_per_s_{levels[1]}"], c)
-        for c, r in summary.items()
-        if c != "direct" and r.get(f"tunnels_per_s_{levels[1]}")
-    ]
-    if direct and direct.get(f"tunnels_per_s_{levels[1]}") and others:
-        best, who = max(others)
-        rate = direct[f"tunnels_per_s_{levels[1]}"]
-        client = direct.get(f"client_cpu_us_per_tunnel_{levels[1]}")
+def targets_section(rows: Sequence[Row], rounds: int) -> list[str]:
+    head = ["target", "goal", "configuration", "measured", "squid", "ratio to squid", "met"]
+    head += ["tinyproxy (ratio)", "load generator"]
+    out = []
+    for r in rows:
+        unit = r["unit"]
+        if r.get("goal_text"):
+            goal = r["goal_text"]
+        elif r["goal"] is None:
+            goal = "reported"
+        elif r["absolute"]:
+            goal = f"{r['op']} {with_unit(r['goal'], unit)}"
+        else:
+            goal = f"{r['op']} {r['goal']:g}x squid"
+        met = "-" if r["met"] is None else "met" if r["met"] else "**NOT MET**"
+        if r["why_not"] and r["met"] is None:
+            met = r["why_not"]
+        loadgen = "-"
+        if r["loadgen"] is not None:
+            loadgen = f"{r['loadgen_label']}: {with_unit(r['loadgen'], unit)}"
+        tiny = with_unit(r["tinyproxy"], unit)
+        if r["tinyproxy_ratio"] is not None:
+            tiny += f" ({ratio(r['tinyproxy_ratio'])})"
         out.append(
-            f"Load generator check: against direct (no proxy), the harness's tunnel client "
-            f"made {rate:,.0f} tunnels/s at {levels[1]} clients "
-            f"({cell(client, ',.0f')} µs of client CPU per tunnel), "
-            f"{rate / best:.1f}x the fastest proxy ({label(who)}, {best:,.0f}/s): the client "
-            "is not what limits the proxies' figures."
-        )
-    return out
-
-
-def bulk_section(summary: dict[str, Row], settings: dict[str, Any]) -> list[str]:
-    n = settings["parallel_tunnels"]
-    head = ["", "1 tunnel up MB/s", "vs direct", "down MB/s", "vs direct"]
-    head += [f"{n} tunnels up MB/s", "vs direct", f"{n} down MB/s", "vs direct"]
-    head += ["proxy CPU s/GiB up / down", f"{n} tunnels up / down"]
-    rows = []
-    for config, r in summary.items():
-        row = [label(config)]
-        for kind in ("up", "down", "parallel_up", "parallel_down"):
-            row += [cell(r[f"{kind}_mb_s"], ",.0f"), ratio(r.get(f"{kind}_mb_s_vs_direct"))]
-        for a, b in (("up", "down"), ("parallel_up", "parallel_down")):
-            x, y = r[f"{a}_proxy_cpu_s_per_gib"], r[f"{b}_proxy_cpu_s_per_gib"]
-            row.append("-" if x is None and y is None else f"{cell(x, '.2f')} / {cell(y, '.2f')}")
-        rows.append(row)
-    return [table(head, rows)]
-
-
-def http_section(summary: dict[str, Row], samples: Sequence[dict[str, Any]]) -> list[str]:
-    head = ["", "requests/s", "vs direct", "p50 ms", "p99 ms", "p99 vs direct"]
-    head += ["proxy CPU µs/request", "origin CPU µs/request"]
-    rows = []
-    for config, r in summary.items():
-        rows.append(
             [
-                label(config),
-                cell(r["requests_per_s"], ",.0f"),
-                ratio(r.get("requests_per_s_vs_direct")),
-                cell(r["latency_p50_ms"], ".3f"),
-                cell(r["latency_p99_ms"], ".3f"),
-                ratio(r.get("latency_p99_ms_vs_direct")),
-                cell(r["proxy_cpu_us_per_request"], ",.0f"),
-                cell(r["origin_cpu_us_per_request"], ",.1f"),
+                r["name"],
+                goal,
+                r["config"],
+                with_unit(r["value"], unit),
+                with_unit(r["squid"], unit),
+                "-" if r["absolute"] else ratio(r["ratio"]),
+                met,
+                tiny,
+                loadgen,
             ]
         )
-    out = [table(head, rows)]
+    judged = [r for r in rows if r["met"] is not None]
+    if not any(r["squid"] is not None for r in rows):
+        out.append(["(squid did not run: no ratio can be judged)", *["-"] * (len(head) - 1)])
+    count = sum(1 for r in judged if r["met"])
+    return [
+        table(head, out),
+        "",
+        f"{count} of {len(judged)} judged targets met. A ratio is the median over {rounds} "
+        "round(s) of the configuration's figure divided by squid's in the same round; "
+        "'load generator' is direct's figure for a rate (the load generator alone, without a "
+        "proxy: the most any configuration could reach) or the client's and upstream's own CPU "
+        "per unit in the same phases. CPU per unit is the figure of record: on 2 shared CPUs "
+        "the client, the upstream and the proxy compete, so every rate understates the proxy.",
+    ]
+
+
+Column = tuple[str, str, str]  # header, figure, format ("x": a ratio)
+
+
+def figure_table(summary: Mapping[str, Row], columns: Sequence[Column]) -> str:
+    """One row per configuration, one cell per column: its figure formatted, or its ratio."""
+    head = ["", *(c[0] for c in columns)]
+    rows = [
+        [label(config)]
+        + [ratio(r.get(key)) if fmt == "x" else cell(r.get(key), fmt) for _, key, fmt in columns]
+        for config, r in summary.items()
+    ]
+    return table(head, rows)
+
+
+def ab_section(rows: Sequence[Row]) -> list[str]:
+    head = ["figure", "configuration", "this tree", "baseline tree", "ratio", "rounds"]
+    body = [
+        [
+            r["name"],
+            r["config"],
+            with_unit(r["value"], r["unit"]),
+            with_unit(r["baseline_value"], r["unit"]),
+            ratio(r["ratio"]),
+            str(r["rounds"]),
+        ]
+        for r in rows
+        if r["value"] is not None or r["baseline_value"] is not None
+    ]
+    return [
+        table(head, body),
+        "",
+        "Each ratio is the median over rounds of this tree's figure divided by the baseline "
+        "tree's in the same round (both run side by side, interleaved).",
+    ]
+
+
+def tunnels_section(summary: Mapping[str, Row], settings: Mapping[str, Any]) -> list[str]:
+    levels = [1, *settings["concurrency"]]
+    columns: list[Column] = [("p50 ms @1", "latency_p50_ms", ".3f")]
+    columns.append(("p99 ms @1", "latency_p99_ms", ".3f"))
+    for c in levels:
+        columns += [(f"tunnels/s @{c}", f"tunnels_per_s_{c}", ",.0f")]
+        columns += [("vs direct", f"tunnels_per_s_{c}_vs_direct", "x")]
+    columns += [
+        (f"proxy CPU µs/tunnel @{c}", f"proxy_cpu_us_per_tunnel_{c}", ",.0f") for c in levels
+    ]
+    columns += [
+        (f"{w} µs/tunnel @16", f"{w}_cpu_us_per_tunnel_16", ",.0f") for w in ("client", "upstream")
+    ]
+    check = loadgen_check(summary, "tunnels_per_s_16", "tunnels/s at 16 clients")
+    return [figure_table(summary, columns), "", check]
+
+
+def loadgen_check(summary: Mapping[str, Row], figure: str, what: str) -> str:
+    """The sentence that shows the load generator was not the limit (or that it was close)."""
+    direct = (summary.get("direct") or {}).get(figure)
+    others = [(r[figure], c) for c, r in summary.items() if c != "direct" and r.get(figure)]
+    if not direct or not others:
+        return ""
+    best, who = max(others)
+    verdict = (
+        "the load generator is not what limits the proxies' figures"
+        if direct >= 1.5 * best
+        else "the load generator is close to the fastest proxy: read its CPU per unit, not its rate"
+    )
+    return (
+        f"Load generator check: without a proxy it made {direct:,.0f} {what}, {direct / best:.1f}x "
+        f"the fastest proxy ({label(who)}, {best:,.0f}): {verdict}."
+    )
+
+
+def bulk_section(summary: Mapping[str, Row], settings: Mapping[str, Any]) -> list[str]:
+    n = settings["parallel_tunnels"]
+    kinds = {"up": "1 up", "down": "1 down", "parallel_up": f"{n} up", "parallel_down": f"{n} down"}
+    columns: list[Column] = []
+    for kind, name in kinds.items():
+        columns += [
+            (f"{name} MB/s", f"{kind}_mb_s", ",.0f"),
+            ("vs direct", f"{kind}_mb_s_vs_direct", "x"),
+        ]
+    columns += [
+        (f"proxy CPU s/GiB {name}", f"{k}_proxy_cpu_s_per_gib", ".2f") for k, name in kinds.items()
+    ]
+    columns += [
+        (f"client+upstream s/GiB {d}", f"{d}_loadgen_s_per_gib", ".2f") for d in ("up", "down")
+    ]
+    rows = {
+        config: {
+            **r,
+            **{
+                f"{d}_loadgen_s_per_gib": _sum(
+                    r.get(f"{d}_client_cpu_s_per_gib"), r.get(f"{d}_upstream_cpu_s_per_gib")
+                )
+                for d in ("up", "down")
+            },
+        }
+        for config, r in summary.items()
+    }
+    check = loadgen_check(summary, "up_mb_s", "MB/s up through one tunnel")
+    return [figure_table(rows, columns), "", check]
+
+
+def _sum(*values: Any) -> float | None:
+    return None if any(v is None for v in values) else sum(values)
+
+
+def http_section(summary: Mapping[str, Row], samples: Sequence[Row]) -> list[str]:
+    columns: list[Column] = [
+        ("requests/s", "requests_per_s", ",.0f"),
+        ("vs direct", "requests_per_s_vs_direct", "x"),
+        ("p50 ms", "latency_p50_ms", ".3f"),
+        ("p99 ms", "latency_p99_ms", ".3f"),
+        ("proxy CPU µs/request", "proxy_cpu_us_per_request", ",.0f"),
+        ("origin µs/request", "origin_cpu_us_per_request", ",.1f"),
+        ("wrk µs/request", "client_cpu_us_per_request", ",.1f"),
+    ]
+    out = [
+        figure_table(summary, columns),
+        "",
+        loadgen_check(summary, "requests_per_s", "requests/s"),
+    ]
     closing = sorted(
         {s["config"] for s in samples if (s.get("http") or {}).get("keep_alive") is False}
     )
@@ -147,73 +250,68 @@ def http_section(summary: dict[str, Row], samples: Sequence[dict[str, Any]]) -> 
     return out
 
 
-def scale_section(summary: dict[str, Row]) -> list[str]:
-    smallest = min(summary, key=int) if summary else "10"
-    head = [
-        "egress rules",
-        "ready s",
-        "vs smallest",
-        "start-up CPU s",
-        "idle RSS MB",
-        "idle PSS MB",
+def socks5_section(summary: Mapping[str, Row], tunnels: Mapping[str, Row]) -> list[str]:
+    columns: list[Column] = [
+        ("tunnels/s @16", "tunnels_per_s", ",.0f"),
+        ("p50 ms", "latency_p50_ms", ".3f"),
+        ("p99 ms", "latency_p99_ms", ".3f"),
+        ("proxy CPU µs/tunnel", "proxy_cpu_us_per_tunnel", ",.0f"),
+        ("CONNECT at 16: proxy CPU µs/tunnel", "connect_cpu", ",.0f"),
+        ("client µs/tunnel", "client_cpu_us_per_tunnel", ",.0f"),
+        ("upstream µs/tunnel", "upstream_cpu_us_per_tunnel", ",.0f"),
     ]
-    head += ["tunnel p50 ms", "p99 ms", "p50 vs smallest", "proxy CPU µs/tunnel"]
-    rows = []
-    for config, r in sorted(summary.items(), key=lambda kv: int(kv[0])):
-        rows.append(
-            [
-                f"{int(config):,}",
-                cell(r["ready_s"], ".3f"),
-                ratio(r.get(f"ready_s_vs_{smallest}")),
-                cell(r["startup_cpu_s"], ".2f"),
-                cell(r["idle_rss_mb"], ".1f"),
-                cell(r["idle_pss_mb"], ".1f"),
-                cell(r["latency_p50_ms"], ".3f"),
-                cell(r["latency_p99_ms"], ".3f"),
-                ratio(r.get(f"latency_p50_ms_vs_{smallest}")),
-                cell(r["proxy_cpu_us_per_tunnel"], ",.0f"),
-            ]
-        )
-    return [table(head, rows)]
-
-
-def dns_section(summary: dict[str, Row], direct: Row | None) -> list[str]:
-    head = ["", "cold p50 ms", "cold p99 ms", "warm p50 ms", "warm p99 ms", "cold - warm p50 ms"]
-    head += ["lookup ms cold / warm (proxy's metric)", "proxy CPU µs/tunnel cold / warm"]
-    rows = []
-    for config, r in summary.items():
-        gap = None
-        if r["cold_p50_ms"] is not None and r["warm_p50_ms"] is not None:
-            gap = r["cold_p50_ms"] - r["warm_p50_ms"]
-        rows.append(
-            [
-                label(config),
-                cell(r["cold_p50_ms"], ".3f"),
-                cell(r["cold_p99_ms"], ".3f"),
-                cell(r["warm_p50_ms"], ".3f"),
-                cell(r["warm_p99_ms"], ".3f"),
-                cell(gap, ".3f"),
-                f"{cell(r['cold_lookup_ms'], '.3f')} / {cell(r['warm_lookup_ms'], '.3f')}",
-                f"{cell(r['cold_proxy_cpu_us_per_tunnel'], ',.0f')} / "
-                f"{cell(r['warm_proxy_cpu_us_per_tunnel'], ',.0f')}",
-            ]
-        )
-    out = [table(head, rows)]
-    if direct and direct.get("latency_p50_ms") is not None:
+    rows = {
+        c: {**r, "connect_cpu": (tunnels.get(c) or {}).get("proxy_cpu_us_per_tunnel_16")}
+        for c, r in summary.items()
+    }
+    out = [figure_table(rows, columns)]
+    direct = (tunnels.get("direct") or {}).get("tunnels_per_s_16")
+    if direct:
         out += [
             "",
-            f"For reference, a tunnel without a proxy (direct, workload 1): p50 "
-            f"{direct['latency_p50_ms']:.3f} ms, p99 {cell(direct['latency_p99_ms'], '.3f')} ms.",
+            f"The same client without a proxy (CONNECT workload, direct): {direct:,.0f} tunnels/s.",
         ]
     return out
 
 
-def sessions_section(idle: dict[str, Row], sessions: dict[str, Row], wanted: int) -> list[str]:
-    head = ["", "ready s", "start-up CPU s", "1 idle: RSS MB", "PSS MB", "USS MB"]
-    head += [f"{wanted} side by side: RSS MB (sum)", "PSS MB (sum)", "PSS MB per session"]
-    head += ["USS MB per session", "PSS vs fast path"]
+def dns_listen_section(summary: Mapping[str, Row]) -> list[str]:
+    columns: list[Column] = [
+        ("queries/s", "queries_per_s", ",.0f"),
+        ("p50 ms", "latency_p50_ms", ".3f"),
+        ("p99 ms", "latency_p99_ms", ".3f"),
+        ("proxy CPU µs/query", "proxy_cpu_us_per_query", ",.0f"),
+        ("client CPU µs/query", "client_cpu_us_per_query", ",.0f"),
+    ]
+    return [figure_table(summary, columns)]
+
+
+def inspect_section(summary: Mapping[str, Row]) -> list[str]:
+    columns: list[Column] = [
+        ("new tunnels/s", "tunnels_per_s", ",.0f"),
+        ("vs direct", "tunnels_per_s_vs_direct", "x"),
+        ("p50 ms", "tunnel_p50_ms", ".3f"),
+        ("proxy CPU µs/tunnel", "proxy_cpu_us_per_tunnel", ",.0f"),
+        ("requests/s", "requests_per_s", ",.0f"),
+        ("vs direct", "requests_per_s_vs_direct", "x"),
+        ("p50 ms", "request_p50_ms", ".3f"),
+        ("proxy CPU µs/request", "proxy_cpu_us_per_request", ",.0f"),
+        ("client µs/request", "client_cpu_us_per_request", ",.0f"),
+        ("origin µs/request", "origin_cpu_us_per_request", ",.0f"),
+    ]
+    check = loadgen_check(summary, "requests_per_s", "HTTPS requests/s")
+    return [figure_table(summary, columns), "", check]
+
+
+def memory_section(
+    memory: Mapping[str, Row], sessions: Mapping[str, Row], wanted: int
+) -> list[str]:
+    from bench_summary import CHECKPOINTS
+
+    head = ["", "ready s", "first CONNECT s", "start-up CPU s"]
+    head += [f"RSS MB {c.replace('_', ' ')}" for c in CHECKPOINTS]
+    head += ["largest RSS", "idle PSS MB", f"PSS MB/session, {wanted} side by side", "vs squid"]
     rows = []
-    for config, r in idle.items():
+    for config, r in memory.items():
         if config == "direct":
             continue
         s = sessions.get(config, {})
@@ -222,101 +320,100 @@ def sessions_section(idle: dict[str, Row], sessions: dict[str, Row], wanted: int
         rows.append(
             [
                 label(config),
-                cell(r["ready_s"], ".3f"),
-                cell(r["startup_cpu_s"], ".2f"),
-                cell(r["idle_rss_mb"], ".1f"),
-                cell(r["idle_pss_mb"], ".1f"),
-                cell(r["idle_uss_mb"], ".1f"),
-                cell(s.get("rss_mb_sum"), ",.0f") + note,
-                cell(s.get("pss_mb_sum"), ",.0f"),
-                cell(s.get("pss_mb_per_session"), ".1f"),
-                cell(s.get("uss_mb_per_session"), ".1f"),
-                ratio(s.get("pss_mb_per_session_vs_fast")),
+                cell(r.get("ready_s"), ".3f"),
+                cell(r.get("first_connect_s"), ".3f"),
+                cell(r.get("startup_cpu_s"), ".2f"),
+                *(cell(r.get(f"{c}_rss_mb"), ".1f") for c in CHECKPOINTS),
+                cell(r.get("worst_rss_mb"), ".1f"),
+                cell(r.get("idle_pss_mb"), ".1f"),
+                cell(s.get("pss_mb_per_session"), ".1f") + note,
+                ratio(s.get("pss_mb_per_session_vs_squid")),
             ]
         )
     return [table(head, rows)]
 
 
-def method(document: dict[str, Any]) -> list[str]:
-    s = document["settings"]
-    rounds = s["rounds"]
-    sizes = ", ".join(f"{n:,}" for n in s["scale_sizes"])
-    levels = ", ".join(str(c) for c in [1, *s["concurrency"]])
-    return [
-        f"- Configurations interleaved round by round ({rounds} round(s): A B C ... A B C ...); "
-        "each proxy a fresh process per round"
-        + (
-            ", the first round after an untimed start and stop of every proxy"
-            if s.get("warm_pass")
-            else " (no warm-up pass: quick)"
-        )
-        + ". Medians over rounds; a ratio to direct is taken within each round, then "
-        "the median. Proxy CPU: utime+stime of the proxy process from /proc/PID/stat over the "
-        "phase (all threads; every peer runs as one process, checked per round).",
-        f"- Tunnels: TCP connect, CONNECT bench.test:PORT, 200, a real TLS ClientHello, the "
-        f"upstream's first byte. Latency: one client, one tunnel at a time ({s['latency_count']:,}"
-        f" tunnels or {s['latency_s']:g} s after {s['warmup']} warm-up ones); the same phase "
-        f"gives tunnels/s @1. Rates at {levels} concurrent clients ({s['rate_count']:,} tunnels "
-        f"or {s['rate_s']:g} s each, in {s['rate_procs']} client processes).",
-        f"- Bulk: {s['bulk_bytes'] / 2**20:,.0f} MiB each way through one tunnel, and "
-        f"{s['parallel_bytes'] / 2**20:,.0f} MiB in all through {s['parallel_tunnels']} "
-        "tunnels at once (one client process, a thread per tunnel), after a warm-up transfer. "
-        "MB = 10^6 bytes.",
-        f"- HTTP: wrk, {s['http_threads']} threads, {s['http_connections']} keep-alive "
-        f"connections, {s['http_s']:g} s after a {s['http_warmup_s']:g} s warm-up run; "
-        "requests in absolute form (`GET http://bench.test:PORT/`) sent to the proxy's port "
-        f"(wrk has no proxy option), to an nginx origin answering {s['origin_body_bytes']} "
-        "bytes. Every sample checks nginx's own request count against wrk's: every request "
-        "reached the origin, and only through the proxy. egress-proxy's fast path hands plain "
-        "HTTP to its engine (mitmproxy), so `fast` and `engine` serve it alike. wrk runs "
-        "closed-loop: each configuration at its own highest rate, so its latencies are those "
-        "of a saturated proxy (direct's p99 is nginx and wrk sharing the CPUs at 50,000+/s).",
-        f"- Scale: egress-proxy's fast path with manifests of {sizes} "
-        "`egress` names (bench.test and names from benchmarks/policy_decide.py's generator), "
-        f"{s['scale_rounds']} round(s); ready = process start to /readyz 200; "
-        f"{s['scale_count']} sequential tunnels.",
-        f"- DNS: {s['dns_count']} sequential tunnels to fresh names (a new name per tunnel, "
-        "answered by the harness's DNS server on 127.0.0.1: cold) and as many to one name "
-        "already resolved (warm). The lookup column is egress-proxy's own "
-        "egress_dns_lookup_seconds histogram over the phase. The peers are not in this "
-        "workload: they resolve with the system resolver, which cannot be pointed at a test "
-        "server on another port without changing the machine.",
-        f"- Sessions: one idle proxy (VmRSS, and PSS/USS from /proc/PID/smaps_rollup, "
-        f"{s['settle_s']:g} s after ready), and {s['sessions']} proxies of one configuration "
-        "running at once (started two at a time, bounded in time): PSS adds up across "
-        "processes (shared pages are split between them), RSS does not.",
-        "- Ready: egress-proxy from spawn to /readyz 200; peers from spawn to accepting a TCP "
-        "connection.",
-        "- Peers: each a child of the harness with a configuration of its own in a temp dir, "
-        "on 127.0.0.1 and a free port, access logging and caching off, an allow-list of "
-        "bench.test and its subdomains (mitmdump: none, `--ignore-hosts '.*'`). tinyproxy, "
-        "privoxy and mitmdump run in a private mount namespace whose /etc/hosts maps the test "
-        "names to 127.0.0.1 and whose resolv.conf names only 127.0.0.1; squid gets the same "
-        "through `hosts_file` and `dns_nameservers`. egress-proxy (policy `egress: "
-        "[bench.test]`) writes its audit log to a file, as it does in use; it resolves with the "
-        "harness's DNS server on 127.0.0.1.",
+def scale_section(summary: Mapping[str, Row]) -> list[str]:
+    smallest = min(summary, key=int) if summary else "10"
+    columns: list[Column] = [
+        ("ready s", "ready_s", ".3f"),
+        ("vs smallest", f"ready_s_vs_{smallest}", "x"),
+        ("first CONNECT s", "first_connect_s", ".3f"),
+        ("start-up CPU s", "startup_cpu_s", ".2f"),
+        ("idle RSS MB", "idle_rss_mb", ".1f"),
+        ("idle PSS MB", "idle_pss_mb", ".1f"),
+        ("tunnel p50 ms", "latency_p50_ms", ".3f"),
+        ("p99 ms", "latency_p99_ms", ".3f"),
+        ("proxy CPU µs/tunnel", "proxy_cpu_us_per_tunnel", ",.0f"),
     ]
+    return [figure_table(dict(sorted(summary.items(), key=lambda kv: int(kv[0]))), columns)]
 
 
-def render(document: dict[str, Any], plots: Sequence[str], plot_note: str | None) -> str:
+def dns_section(summary: Mapping[str, Row], direct: Row | None) -> list[str]:
+    columns: list[Column] = [
+        ("cold p50 ms", "cold_p50_ms", ".3f"),
+        ("cold p99 ms", "cold_p99_ms", ".3f"),
+        ("warm p50 ms", "warm_p50_ms", ".3f"),
+        ("warm p99 ms", "warm_p99_ms", ".3f"),
+        ("cold - warm p50 ms", "gap", ".3f"),
+        ("lookup ms cold (proxy's metric)", "cold_lookup_ms", ".3f"),
+        ("warm", "warm_lookup_ms", ".3f"),
+        ("proxy CPU µs/tunnel cold", "cold_proxy_cpu_us_per_tunnel", ",.0f"),
+        ("warm", "warm_proxy_cpu_us_per_tunnel", ",.0f"),
+    ]
+    rows = {
+        c: {
+            **r,
+            "gap": None
+            if r.get("cold_p50_ms") is None or r.get("warm_p50_ms") is None
+            else r["cold_p50_ms"] - r["warm_p50_ms"],
+        }
+        for c, r in summary.items()
+    }
+    out = [figure_table(rows, columns)]
+    if direct and direct.get("latency_p50_ms") is not None:
+        out += [
+            "",
+            "For reference, a tunnel without a proxy (direct, workload 1): p50 "
+            f"{direct['latency_p50_ms']:.3f} ms, "
+            f"p99 {cell(direct.get('latency_p99_ms'), '.3f')} ms.",
+        ]
+    return out
+
+
+def configurations(document: Mapping[str, Any]) -> list[str]:
+    lines = [
+        f"- `{name}`: {c['description']}." for name, c in document.get("egress_configs", {}).items()
+    ]
+    return lines
+
+
+def render(document: Mapping[str, Any], plots: Sequence[str], plot_note: str | None) -> str:
+    from bench_method import method
+
     m = document["machine"]
     s = document["settings"]
     summary = document["summary"]
     versions = ", ".join(f"{k} {v}" for k, v in m.get("versions", {}).items() if v)
+    configs = ", ".join(f"`{c}`" for c in s["configs"])
     lines = [
-        "# Benchmark report: egress-proxy against peers",
+        "# Benchmark report: egress-proxy against squid and its peers",
         "",
         f"{document['mode'].capitalize()} run of {document['date']}, "
-        f"{document['elapsed_s']:.0f} s: `{document['command']}`.",
+        f"{document['elapsed_s']:.0f} s: `{document['command']}`. {s['rounds']} interleaved "
+        f"round(s) of {configs}, in that order each round; medians over rounds.",
         "",
         f"Machine: {m.get('nproc')} CPUs ({m.get('cpu_model')}), "
         f"{cell(m.get('memory_mb'), ',.0f')} MB RAM, Linux {m.get('kernel')}, "
         f"{m.get('implementation')} {m.get('python')}, git {m.get('git')}, load average "
-        f"{' '.join(m.get('loadavg_at_start') or [])} at start. "
-        "Everything on loopback, on the same 2 CPUs as the load generator: every figure is "
-        "the whole machine's, not the proxy's alone.",
+        f"{' '.join(m.get('loadavg_at_start') or [])} at start, "
+        f"{' '.join(m.get('loadavg_at_end') or [])} at the end. Everything on loopback, on the "
+        "same CPUs as the load generators: every rate is the whole machine's.",
         "",
         f"Versions: {versions}.",
+        "",
+        "egress-proxy configurations:",
+        *configurations(document),
     ]
     if document["notes"]:
         lines += ["", "Notes:", *(f"- {n}" for n in document["notes"])]
@@ -329,327 +426,80 @@ def render(document: dict[str, Any], plots: Sequence[str], plot_note: str | None
     if plot_note:
         lines += ["", plot_note]
 
-    def section(title: str, body: list[str], plot: str) -> None:
-        lines.extend(["", f"## {title}", "", *body])
+    def section(title: str, body: list[str], plot: str | None = None) -> None:
+        lines.extend(["", f"## {title}", "", *[b for b in body if b is not None]])
         if plot in plots:
             lines.extend(["", f"![{title}]({plot})"])
 
-    workloads = s["workloads"]
-    if "tunnels" in workloads and summary["tunnels"]:
+    if summary.get("targets"):
+        section(
+            "Targets (ratios to squid, same run)", targets_section(summary["targets"], s["rounds"])
+        )
+    if summary.get("ab"):
+        section("A/B: this tree against the baseline tree", ab_section(summary["ab"]))
+    if summary.get("tunnels"):
         section("1. New CONNECT tunnels", tunnels_section(summary["tunnels"], s), "tunnels.png")
-    if "bulk" in workloads and summary["bulk"]:
+    if summary.get("bulk"):
         section("2. Bulk through tunnels", bulk_section(summary["bulk"], s), "bulk.png")
-    if "http" in workloads and any(r["requests_per_s"] for r in summary["http"].values()):
+    if summary.get("http"):
+        title = "3. Plain HTTP, 16 keep-alive connections (wrk, absolute form)"
         section(
-            f"3. Plain HTTP, keep-alive, {s['http_connections']} connections",
-            http_section(summary["http"], document["samples"].get("main", [])),
-            "http.png",
+            title, http_section(summary["http"], document["samples"].get("main", [])), "http.png"
         )
-    if summary["scale"]:
+    if summary.get("socks5"):
+        section("4. SOCKS5 tunnels", socks5_section(summary["socks5"], summary.get("tunnels", {})))
+    if summary.get("dns_listen"):
         section(
-            "4. Policy scale (egress-proxy fast path)", scale_section(summary["scale"]), "scale.png"
+            "5. DNS listener (--dns-listen), dnspython client",
+            dns_listen_section(summary["dns_listen"]),
         )
-    if summary["dns"]:
-        section(
-            "5. DNS: cold and warm cache",
-            dns_section(summary["dns"], summary["tunnels"].get("direct")),
-            "dns.png",
-        )
-    if summary["idle"]:
-        section(
-            "6. Cost per session",
-            sessions_section(summary["idle"], summary["sessions"], s["sessions"]),
-            "sessions.png",
-        )
+    if summary.get("inspect"):
+        section("6. Intercepted HTTPS (TLS inspection)", inspect_section(summary["inspect"]))
+    if summary.get("memory"):
+        body = memory_section(summary["memory"], summary.get("sessions", {}), s["sessions"])
+        section("7. Start-up and memory per session", body, "sessions.png")
+    if summary.get("scale"):
+        section("8. Policy scale (egress-proxy)", scale_section(summary["scale"]), "scale.png")
+    if summary.get("dns"):
+        body = dns_section(summary["dns"], (summary.get("tunnels") or {}).get("direct"))
+        section("9. The proxy's resolver: cold and warm cache", body, "dns.png")
     lines += ["", "## Method", "", *method(document)]
     return "\n".join(lines) + "\n"
 
 
-# --------------------------------------------------------------------------------------------
-# Plots
-
-
-def plot_all(document: dict[str, Any], out: Path) -> list[str]:
-    """Writes one PNG per workload that has figures; returns their file names."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    summary = document["summary"]
-    s = document["settings"]
-    written: list[str] = []
-
-    def save(fig: Any, name: str) -> None:
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
-        written.append(name)
-
-    def bars(
-        ax: Any,
-        configs: Sequence[str],
-        series: Sequence[tuple[str, Sequence[float | None], Sequence[float | None]]],
-        title: str,
-        ylabel: str,
-        *,
-        log: bool = False,
-        value_format: str | None = None,
-    ) -> None:
-        """Grouped bars: one group per config, one bar per series (name, values, ratios);
-        each bar is annotated with its ratio, or without one with its value (`value_format`).
-        A series without any value is left out."""
-        series = [x for x in series if any(v is not None for v in x[1])]
-        width = 0.8 / max(1, len(series))
-        for i, (name, values, ratios) in enumerate(series):
-            xs = [x + (i - (len(series) - 1) / 2) * width for x in range(len(configs))]
-            heights = [v if v is not None else 0.0 for v in values]
-            drawn = ax.bar(xs, heights, width * 0.95, label=name if len(series) > 1 else None)
-            for rect, value, r in zip(drawn, values, ratios, strict=True):
-                if value is None:
-                    continue
-                if r is not None:
-                    text = ratio(r)
-                elif value_format is not None:
-                    text = format(value, value_format)
-                else:
-                    continue
-                ax.annotate(
-                    text,
-                    (rect.get_x() + rect.get_width() / 2, rect.get_height()),
-                    xytext=(0, 2),
-                    textcoords="offset points",
-                    ha="center",
-                    va="bottom",
-                    fontsize=7,
-                    rotation=90 if len(series) > 2 else 0,
-                )
-        ax.set_xticks(range(len(configs)))
-        ax.set_xticklabels([SHORT.get(c, label(c)) for c in configs], rotation=20, ha="right")
-        ax.set_title(title, fontsize=10)
-        ax.set_ylabel(ylabel)
-        if log:
-            ax.set_yscale("log")
-        ax.margins(y=0.25)
-        if len(series) > 1:
-            ax.legend(fontsize=8)
-        ax.grid(axis="y", alpha=0.3)
-
-    def column(
-        rows: dict[str, Row], configs: Sequence[str], figure: str, vs: str | None = "direct"
-    ) -> tuple[list[float | None], list[float | None]]:
-        values = [rows[c].get(figure) for c in configs]
-        ratios = [rows[c].get(f"{figure}_vs_{vs}") if vs else None for c in configs]
-        return values, ratios
-
-    tunnels = summary.get("tunnels") or {}
-    if "tunnels" in s["workloads"] and tunnels:
-        configs = list(tunnels)
-        fig, axes = plt.subplots(1, 3, figsize=(15, 4.8))
-        levels = [1, *s["concurrency"]]
-        bars(
-            axes[0],
-            configs,
-            [
-                (
-                    f"{c} client{'s' if c > 1 else ''}",
-                    *column(tunnels, configs, f"tunnels_per_s_{c}"),
-                )
-                for c in levels
-            ],
-            "New tunnels per second (ratio to direct)",
-            "tunnels/s (log)",
-            log=True,
-        )
-        bars(
-            axes[1],
-            configs,
-            [
-                ("p50", *column(tunnels, configs, "latency_p50_ms")),
-                ("p99", *column(tunnels, configs, "latency_p99_ms")),
-            ],
-            "New tunnel latency, one client (ratio to direct)",
-            "ms (log)",
-            log=True,
-        )
-        proxies = [c for c in configs if c != "direct"]
-        bars(
-            axes[2],
-            proxies,
-            [
-                (f"@{c}", *column(tunnels, proxies, f"proxy_cpu_us_per_tunnel_{c}", None))
-                for c in levels
-            ],
-            "Proxy CPU per tunnel",
-            "µs (log)",
-            log=True,
-            value_format=",.0f",
-        )
-        save(fig, "tunnels.png")
-
-    bulk = summary.get("bulk") or {}
-    if "bulk" in s["workloads"] and bulk:
-        configs = list(bulk)
-        n = s["parallel_tunnels"]
-        fig, axes = plt.subplots(1, 2, figsize=(14, 4.8))
-        names = {"up": "1 tunnel up", "down": "1 tunnel down"}
-        names |= {"parallel_up": f"{n} tunnels up", "parallel_down": f"{n} tunnels down"}
-        bars(
-            axes[0],
-            configs,
-            [(name, *column(bulk, configs, f"{kind}_mb_s")) for kind, name in names.items()],
-            "Bulk throughput (ratio to direct)",
-            "MB/s",
-        )
-        proxies = [c for c in configs if c != "direct"]
-        bars(
-            axes[1],
-            proxies,
-            [
-                (name, *column(bulk, proxies, f"{kind}_proxy_cpu_s_per_gib", None))
-                for kind, name in names.items()
-            ],
-            "Proxy CPU per GiB moved",
-            "CPU s/GiB",
-            value_format=".2f",
-        )
-        save(fig, "bulk.png")
-
-    http = summary.get("http") or {}
-    if "http" in s["workloads"] and any(r.get("requests_per_s") for r in http.values()):
-        configs = [c for c in http if http[c].get("requests_per_s")]
-        fig, axes = plt.subplots(1, 3, figsize=(15, 4.8))
-        bars(
-            axes[0],
-            configs,
-            [("req/s", *column(http, configs, "requests_per_s"))],
-            f"HTTP keep-alive, {s['http_connections']} connections: requests/s (ratio to direct)",
-            "requests/s (log)",
-            log=True,
-        )
-        bars(
-            axes[1],
-            configs,
-            [
-                ("p50", *column(http, configs, "latency_p50_ms")),
-                ("p99", *column(http, configs, "latency_p99_ms")),
-            ],
-            "Latency (ratio to direct)",
-            "ms (log)",
-            log=True,
-        )
-        proxies = [c for c in configs if c != "direct"]
-        bars(
-            axes[2],
-            proxies,
-            [("", *column(http, proxies, "proxy_cpu_us_per_request", None))],
-            "Proxy CPU per request",
-            "µs",
-            value_format=",.0f",
-        )
-        save(fig, "http.png")
-
-    scale = summary.get("scale") or {}
-    if scale:
-        sizes = sorted(scale, key=int)
-        vs = sizes[0]
-        fig, axes = plt.subplots(1, 3, figsize=(14, 4.3))
-        bars(
-            axes[0],
-            sizes,
-            [("ready", *column(scale, sizes, "ready_s", vs))],
-            f"Ready (/readyz 200), ratio to {int(vs):,} rules",
-            "s",
-        )
-        bars(
-            axes[1],
-            sizes,
-            [
-                ("RSS", *column(scale, sizes, "idle_rss_mb", vs)),
-                ("PSS", *column(scale, sizes, "idle_pss_mb", vs)),
-            ],
-            "Idle memory",
-            "MB",
-        )
-        bars(
-            axes[2],
-            sizes,
-            [
-                ("p50", *column(scale, sizes, "latency_p50_ms", vs)),
-                ("p99", *column(scale, sizes, "latency_p99_ms", vs)),
-            ],
-            "New tunnel latency",
-            "ms",
-        )
-        save(fig, "scale.png")
-
-    dns = summary.get("dns") or {}
-    if dns:
-        configs = list(dns)
-        fig, ax = plt.subplots(figsize=(8, 4.5))
-        series = []
-        for kind in ("warm", "cold"):
-            for p in ("p50", "p99"):
-                values = [dns[c].get(f"{kind}_{p}_ms") for c in configs]
-                ratios = [
-                    (v / dns[c]["warm_p50_ms"])
-                    if v is not None and dns[c].get("warm_p50_ms")
-                    else None
-                    for c, v in zip(configs, values, strict=True)
-                ]
-                series.append((f"{kind} {p}", values, ratios))
-        bars(
-            ax,
-            configs,
-            series,
-            "Tunnel latency with a cold / warm DNS cache (ratio to warm p50)",
-            "ms",
-        )
-        direct = (summary.get("tunnels") or {}).get("direct", {}).get("latency_p50_ms")
-        if direct:
-            ax.axhline(direct, color="grey", linestyle="--", linewidth=1)
-            ax.annotate("direct p50", (ax.get_xlim()[0], direct), fontsize=7, va="bottom")
-        save(fig, "dns.png")
-
-    idle = summary.get("idle") or {}
-    sessions = summary.get("sessions") or {}
-    configs = [c for c in idle if c != "direct" and idle[c].get("idle_rss_mb")]
-    if configs:
-        fig, ax = plt.subplots(figsize=(10, 4.8))
-
-        def vs_fast(values: list[float | None]) -> list[float | None]:
-            fast = values[configs.index("fast")] if "fast" in configs else None
-            return [v / fast if v is not None and fast else None for v in values]
-
-        series = []
-        for name, values in (
-            ("1 idle: RSS", [idle[c].get("idle_rss_mb") for c in configs]),
-            ("1 idle: PSS", [idle[c].get("idle_pss_mb") for c in configs]),
-            (
-                f"{s['sessions']} side by side: PSS per session",
-                [sessions.get(c, {}).get("pss_mb_per_session") for c in configs],
-            ),
-        ):
-            series.append((name, values, vs_fast(values)))
-        bars(
-            ax, configs, series, "Memory per session proxy (ratio to egress-proxy fast path)", "MB"
-        )
-        save(fig, "sessions.png")
-    return written
-
-
-def write(document: dict[str, Any], out: Path) -> str:
+def write(document: Mapping[str, Any], out: Path) -> str:
     """Writes REPORT.md and the plots into `out`; returns the report's text."""
     out.mkdir(parents=True, exist_ok=True)
     plots: list[str] = []
     note = None
     try:
+        from bench_plots import plot_all
+
         plots = plot_all(document, out)
     except ImportError:
         note = "No plots: matplotlib is not installed (`make bench-deps` installs it)."
     text = render(document, plots, note)
     (out / "REPORT.md").write_text(text)
     return text
+
+
+def resummarised(document: Mapping[str, Any]) -> dict[str, Any]:
+    """The summary computed again from the run's samples (the report follows the harness's
+    current summary, never a mix of runs)."""
+    from bench_egress import EgressConfig
+    from bench_summary import summaries
+
+    egress = {}
+    for name, fields in document.get("egress_configs", {}).items():
+        tree = fields.get("tree")
+        egress[name] = EgressConfig(
+            **{
+                **fields,
+                "args": tuple(fields.get("args", ())),
+                "tree": Path(tree) if tree else None,
+            }
+        )
+    return summaries(document["samples"], egress)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -659,12 +509,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         document = json.loads(args.json.read_text())
-    except (OSError, ValueError) as exc:
-        print(f"bench_report: cannot read {args.json}: {exc}", file=sys.stderr)
+        document["summary"] = resummarised(document)
+        text = write(document, args.out or args.json.parent)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(
+            f"bench_report: cannot report {args.json}: {type(exc).__name__}: {exc}", file=sys.stderr
+        )
         return 2
-    write(document, args.out or args.json.parent)
+    print(text)
     return 0
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     sys.exit(main())

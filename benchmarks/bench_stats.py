@@ -45,10 +45,14 @@ def number(value: Any) -> float | None:
 
 
 def ratios_by_round(
-    mine: Sequence[Mapping[str, Any]], theirs: Sequence[Mapping[str, Any]], path: Sequence[str]
+    mine: Sequence[Mapping[str, Any]],
+    theirs: Sequence[Mapping[str, Any]],
+    path: Sequence[str],
+    their_path: Sequence[str] | None = None,
 ) -> list[float]:
-    """figure(mine) / figure(theirs) for every round both have (paired by "round")."""
-    by_round = {s.get("round"): number(dig(s, path)) for s in theirs}
+    """figure(mine) / figure(theirs) for every round both have (paired by "round"); theirs at
+    `their_path` when it is another figure than mine."""
+    by_round = {s.get("round"): number(dig(s, their_path or path)) for s in theirs}
     out = []
     for sample in mine:
         a, b = number(dig(sample, path)), by_round.get(sample.get("round"))

@@ -1,22 +1,33 @@
-"""The benchmark harness's own logic (benchmarks/bench*.py): what a user of its report relies
-on. Peer configurations are checked by the peers themselves (a real start and a CONNECT through
-each, allowed and denied), the statistics on known samples, the HTTP verification on made-up
-wrk results, a missing peer is a note and not an error, and a report renders from a run with
-holes in it. Peers that are not installed are skipped with the harness's own note.
+"""The benchmark harness's own logic (benchmarks/bench*.py, benchmarks/loadgen.c): what a user
+of its report relies on. Peer configurations are checked by the peers themselves (a real start
+and a CONNECT through each, allowed and denied); the C load generator is built and drives a
+handful of tunnels (direct, CONNECT, SOCKS5), bulk transfers and HTTPS requests against small
+servers on loopback; egress-proxy's configurations are checked by its own CLI, and one is run
+with every client of the harness; the statistics and the targets on known samples; the HTTP
+verification on made-up wrk results; a missing peer is a note and not an error, and a report
+renders from a run with holes in it. No timing is asserted. Peers that are not installed are
+skipped with the harness's own note, and the C tests without gcc.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import json
 import os
+import shutil
 import socket
+import ssl
+import struct
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import trustme
 from running import tcp_server
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -25,8 +36,18 @@ bench = importlib.import_module("bench")
 peers = importlib.import_module("bench_peers")
 stats = importlib.import_module("bench_stats")
 report = importlib.import_module("bench_report")
+loadgen = importlib.import_module("bench_loadgen")
+egress = importlib.import_module("bench_egress")
+context = importlib.import_module("bench_context")
+targets = importlib.import_module("bench_targets")
+summary = importlib.import_module("bench_summary")
+http_bench = importlib.import_module("bench_http")
+dns_bench = importlib.import_module("bench_dns")
+workloads = importlib.import_module("bench_workloads")
 
 GREETING = b"hello from upstream"
+# egress-proxy's bytecode, cached where the harness keeps it (gitignored): a start is not a compile.
+PYCACHE = BENCHMARKS / "results" / "tmp" / "pycache"
 
 
 @pytest.fixture
@@ -74,8 +95,9 @@ def test_peer_allow_list_admits_the_test_domain_and_refuses_others(
     status = available(name)
     hosts_before = Path("/etc/hosts").read_text()
     tmp_path.chmod(0o755)
-    peer = peers.start_peer(status, tmp_path / name, ["bench.test"])
+    peer = peers.start_peer(status, tmp_path / name, ["bench.test"], probe_port=upstream)
     try:
+        assert peer.first_connect_s is not None and peer.first_connect_s >= peer.ready_s > 0
         allowed = connect_through(peer.port, "bench.test", upstream)
         assert allowed.split(b"\r\n", 1)[0].split(b" ")[1] == b"200", allowed[:200]
         assert GREETING in allowed
@@ -83,7 +105,7 @@ def test_peer_allow_list_admits_the_test_domain_and_refuses_others(
         assert denied.split(b"\r\n", 1)[0].split(b" ")[1] == b"403", denied[:200]
         assert GREETING not in denied
         # The harness reads CPU and memory of this one pid: the peer must not fork helpers.
-        assert bench.descendants(peer.pid) == []
+        assert bench.proc.descendants(peer.pid) == []
     finally:
         assert peer.stop() is not None
     # The private /etc/hosts was the peer's alone.
@@ -118,22 +140,30 @@ def test_squid_parses_its_generated_configuration(tmp_path: Path) -> None:
     assert "unrecognized" in done.stdout + done.stderr
 
 
+def minimal_run(tmp_path: Path, **changes: Any) -> Any:
+    """A Run with what the HTTP and DNS workloads read; the rest unused."""
+    fields = dict(
+        settings=context.QUICK, workloads=["http"], tmp=tmp_path, dns=None, loadgen=None,
+        upstream={}, targets=tmp_path / "none", env=dict(os.environ), statuses={}, egress={},
+        base_config={},
+    )  # fmt: skip
+    return context.Run(**{**fields, **changes})
+
+
 def test_nginx_origin_counts_requests_and_wrk_goes_through_the_proxy(
     tmp_path: Path, upstream: int
 ) -> None:
     nginx, wrk, squid = available("nginx"), available("wrk"), available("squid")
     tmp_path.chmod(0o755)
-    origin = peers.start_origin(nginx.binary, tmp_path / "origin", 64)
+    origin, tls = peers.start_origin(nginx.binary, tmp_path / "origin", 64)
+    assert tls is None
     proxy = peers.start_peer(squid, tmp_path / "squid", ["bench.test"])
     try:
-        run = bench.Run(
-            settings=bench.QUICK, workloads=["http"], tmp=tmp_path, dns=None, bench=None,
-            env=dict(os.environ), statuses={}, origin=origin, wrk=wrk.binary, log=print,
-        )  # fmt: skip
-        result = bench.http_workload(run, proxy)
+        run = minimal_run(tmp_path, origin=origin, wrk=wrk.binary)
+        result = http_bench.http_workload(run, proxy)
         assert result["requests"] > 0
         assert result["keep_alive"] is True
-        assert bench.http_problems(result) == []
+        assert http_bench.http_problems(result) == []
         assert result["proxy_cpu_s"] > 0  # the proxy did the work
         # A request the origin never sees through the proxy: the count check would catch it.
         assert peers.origin_requests(origin.port) >= result["origin_requests"] > 0
@@ -142,7 +172,302 @@ def test_nginx_origin_counts_requests_and_wrk_goes_through_the_proxy(
         origin.stop()
 
 
-# -- statistics ---------------------------------------------------------------------------------
+# -- the C load generator ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def built() -> Any:
+    try:
+        return loadgen.build()
+    except loadgen.Unavailable as exc:
+        pytest.skip(f"the C load generator cannot be built here: {exc}")
+
+
+def _relay(a: socket.socket, b: socket.socket) -> None:
+    """Bytes from a to b until EOF, then b's write side closed."""
+    with contextlib.suppress(OSError):
+        while data := a.recv(65536):
+            b.sendall(data)
+        b.shutdown(socket.SHUT_WR)
+
+
+def tiny_proxy(conn: socket.socket) -> None:
+    """A CONNECT and SOCKS5 proxy of the test's own, to 127.0.0.1 only, at the port named."""
+    first = conn.recv(3)
+    if first[:1] == b"\x05":  # SOCKS5: no authentication, then CONNECT to a domain name
+        conn.sendall(b"\x05\x00")
+        head = conn.recv(5)
+        rest = conn.recv(head[4] + 2)
+        port = struct.unpack("!H", rest[-2:])[0]
+    else:
+        head = first
+        while b"\r\n\r\n" not in head:
+            head += conn.recv(4096)
+        port = int(head.split(b" ")[1].rpartition(b":")[2])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as target:
+        conn.sendall(
+            b"\x05\x00\x00\x01\x7f\x00\x00\x01" + struct.pack("!H", port)
+            if first[:1] == b"\x05"
+            else b"HTTP/1.1 200 Connection established\r\n\r\n"
+        )
+        up = threading.Thread(target=_relay, args=(conn, target), daemon=True)
+        up.start()
+        _relay(target, conn)
+        up.join(30)
+
+
+def phase(command: list[str], tmp_path: Path, pids: dict[str, int]) -> dict[str, Any]:
+    result, cpu = loadgen.run_phase(command, pids, 60, tmp_path / "client.txt")
+    assert set(cpu) == {f"{who}_cpu_s" for who in pids}
+    return result
+
+
+@pytest.mark.parametrize("proxy", ["none", "connect", "socks5"])
+def test_the_c_client_completes_tunnels_and_bulk(built: Any, tmp_path: Path, proxy: str) -> None:
+    hosts = ["bench.test", "other.bench.test"]
+    target_file = loadgen.write_targets(tmp_path / "targets.bin", hosts)
+    with contextlib.ExitStack() as stack:
+        up = stack.enter_context(loadgen.upstream(built, tmp_path / "upstream.txt"))
+        relay = None if proxy == "none" else stack.enter_context(tcp_server(tiny_proxy))
+        tunnels = loadgen.client_args(built, "tunnels", target_file, up["tunnel"], proxy, relay)
+        tunnels += ["--concurrency", "4", "--count", "40", "--seconds", "20", "--warmup", "2"]
+        result = phase(tunnels, tmp_path, {"upstream": up["pid"]})
+        assert result["done"] == 40 and result["errors"] == 0, result["first_errors"]
+        assert len(result["latencies_us"]) == 40 and min(result["latencies_us"]) > 0
+        for direction in ("up", "down"):
+            bulk = loadgen.client_args(built, "bulk", target_file, up["bulk"], proxy, relay)
+            bulk += ["--concurrency", "2", "--bytes", str(3 << 20), "--direction", direction]
+            result = phase([*bulk, "--seconds", "20"], tmp_path, {"upstream": up["pid"]})
+            assert result["first_errors"] == [] and result["bytes"] == 3 << 20
+
+
+def test_the_c_client_reports_refused_tunnels(built: Any, tmp_path: Path) -> None:
+    """A proxy that refuses every CONNECT: the warm-up fails with the reason, nothing hangs."""
+    target_file = loadgen.write_targets(tmp_path / "targets.bin", ["bench.test"])
+    refuse = b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\n\r\n"
+    with (
+        loadgen.upstream(built, tmp_path / "upstream.txt") as up,
+        tcp_server(lambda conn: (conn.recv(4096), conn.sendall(refuse))) as port,
+    ):
+        command = loadgen.client_args(built, "tunnels", target_file, up["tunnel"], "connect", port)
+        with pytest.raises(RuntimeError, match="refused"):
+            loadgen.run_phase([*command, "--warmup", "1"], {}, 30, tmp_path / "client.txt")
+        # Without a warm-up the phase runs and counts the refusals as errors.
+        result = phase([*command, "--count", "5", "--warmup", "0"], tmp_path, {})
+        assert result["done"] == 0 and result["errors"] == 5
+
+
+def https_origin(cert: Any, chunked: bool) -> Any:
+    """A TLS server answering every request on a connection (keep-alive) with 200 and `ok`."""
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    cert.configure_cert(server_context)
+
+    def handle(conn: socket.socket) -> None:
+        with server_context.wrap_socket(conn, server_side=True) as tls:
+            buffered = b""
+            while True:
+                while b"\r\n\r\n" not in buffered:
+                    chunk = tls.recv(4096)
+                    if not chunk:
+                        return
+                    buffered += chunk
+                head, _, buffered = buffered.partition(b"\r\n\r\n")
+                assert head.startswith(b"GET /api/x HTTP/1.1\r\nHost: bench.test:")
+                if chunked:
+                    tls.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                b"1\r\no\r\n1\r\nk\r\n0\r\n\r\n")  # fmt: skip
+                else:
+                    tls.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+
+    return tcp_server(handle)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_the_c_client_makes_https_requests_through_a_tunnel(
+    built: Any, tmp_path: Path, chunked: bool
+) -> None:
+    if not built.tls:
+        pytest.skip(built.note)
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    target_file = loadgen.write_targets(tmp_path / "t.bin", ["bench.test"], hello=False)
+    with (
+        https_origin(ca.issue_cert("bench.test"), chunked) as origin,
+        tcp_server(tiny_proxy) as relay,
+    ):
+        for requests, done in ((1, 6), (50, 100)):
+            command = loadgen.client_args(built, "https", target_file, origin, "connect", relay)
+            command += ["--ca", str(tmp_path / "ca.pem"), "--path", "/api/x", "--requests"]
+            command += [
+                str(requests),
+                "--concurrency",
+                "2",
+                "--count",
+                str(6 if requests == 1 else 2),
+            ]
+            result = phase([*command, "--seconds", "20", "--warmup", "1"], tmp_path, {})
+            assert result["errors"] == 0, result["first_errors"]
+            assert result["requests"] == done and len(result["latencies_us"]) == done
+
+
+def test_the_https_client_refuses_a_certificate_it_cannot_verify(
+    built: Any, tmp_path: Path
+) -> None:
+    if not built.tls:
+        pytest.skip(built.note)
+    trustme.CA().cert_pem.write_to_path(str(tmp_path / "other-ca.pem"))
+    target_file = loadgen.write_targets(tmp_path / "t.bin", ["bench.test"], hello=False)
+    with https_origin(trustme.CA().issue_cert("bench.test"), False) as origin:
+        command = loadgen.client_args(built, "https", target_file, origin, "none", None)
+        command += ["--ca", str(tmp_path / "other-ca.pem"), "--warmup", "1", "--path", "/api/x"]
+        with pytest.raises(RuntimeError, match="TLS handshake"):
+            loadgen.run_phase(command, {}, 30, tmp_path / "client.txt")
+
+
+def test_the_load_generator_is_rebuilt_only_when_its_source_changes(built: Any) -> None:
+    stamp = json.loads((loadgen.BUILD / "loadgen.stamp").read_text())
+    before = loadgen.BINARY.stat().st_mtime_ns
+    again = loadgen.build()
+    assert again == built and loadgen.BINARY.stat().st_mtime_ns == before
+    assert stamp["tls"] is built.tls
+
+
+def test_without_gcc_the_harness_says_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing is found on it
+    with pytest.raises(loadgen.Unavailable, match="apt-get install gcc"):
+        loadgen.build()
+
+
+# -- egress-proxy through its CLI -------------------------------------------------------------
+
+
+def test_egress_configs_are_checked_by_the_proxy_under_test(tmp_path: Path) -> None:
+    base = egress.base_config(("127.0.0.1", 53), tmp_path / "ca", None)
+    env = egress.proxy_env(tmp_path / "pycache")
+    default = egress.BUILTIN["egress-proxy"]
+    egress.write_inputs(tmp_path / "default", default, base, None)
+    assert egress.unsupported(default, tmp_path / "default", env) is None
+    future = egress.EgressConfig(
+        "future", "a key no egress-proxy has", default.manifest, "agent.yaml",
+        {"inspection": {"no_such_key": True}},
+    )  # fmt: skip
+    egress.write_inputs(tmp_path / "future", future, base, None)
+    why = egress.unsupported(future, tmp_path / "future", env)
+    assert why is not None and "no_such_key" in why
+    flag = egress.EgressConfig("flag", "", default.manifest, "agent.yaml", {}, ("--no-such-flag",))
+    egress.write_inputs(tmp_path / "flag", flag, base, None)
+    assert "--no-such-flag" in (egress.unsupported(flag, tmp_path / "flag", env) or "")
+
+
+def test_a_baseline_tree_runs_its_own_code(tmp_path: Path) -> None:
+    """--baseline-tree: the other checkout's packages are the ones its launcher imports, and
+    the proxy there is asked what it accepts (a copy of this checkout, here)."""
+    root = BENCHMARKS.parent
+    tree = tmp_path / "baseline"
+    for name in ("proxy", "policy"):
+        shutil.copytree(root / name, tree / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(root / "pyproject.toml", tree)
+    twin = egress.baseline_of(egress.BUILTIN["egress-proxy"], tree)
+    assert twin.name == "egress-proxy-baseline" and twin.tree == tree
+    command, extra = egress.launcher(tree)
+    assert extra == {"PYTHONPATH": str(tree)} and "proxy.cli" in command[-1]
+    env = {**egress.proxy_env(PYCACHE), **extra}
+    assert egress._imports_elsewhere(tree, env) is None
+    base = egress.base_config(("127.0.0.1", 53), tmp_path / "ca", None)
+    egress.write_inputs(tmp_path / "twin", twin, base, None)
+    assert egress.unsupported(twin, tmp_path / "twin", egress.proxy_env(PYCACHE)) is None
+    shutil.rmtree(tree / "policy")  # no longer a checkout of its own: refused, and why
+    assert "do not import from" in (egress._imports_elsewhere(tree, env) or "")
+
+
+def test_a_configuration_file_is_read_or_refused_with_its_key(tmp_path: Path) -> None:
+    good = tmp_path / "good.yaml"
+    good.write_text("name: mine\nconfig: {limits: {idle_timeout: 5m}}\nargs: [--x]\n")
+    loaded = egress.load_config_file(good)
+    assert loaded.name == "mine" and loaded.args == ("--x",) and loaded.passthrough
+    merged = egress.merged({"limits": {"header_timeout": "2s"}}, loaded.config)
+    assert merged == {"limits": {"header_timeout": "2s", "idle_timeout": "5m"}}
+    for text, word in (
+        ("name: mine\ncolour: red\n", "colour"),
+        ("name: egress-proxy\n", "name"),
+        ("name: Mine!\n", "name"),
+        ("name: mine\nargs: --x\n", "args"),
+        ("- a list\n", "mapping"),
+    ):
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(text)
+        with pytest.raises(egress.ConfigError, match=word):
+            egress.load_config_file(bad)
+
+
+def test_egress_proxy_serves_every_client_of_the_harness(
+    built: Any, tmp_path: Path, dns: Any
+) -> None:
+    """The default configuration started as the harness starts it (ports of its choosing,
+    ready timed from exec), then a few tunnels through CONNECT and SOCKS5 and DNS queries."""
+    dns.set("bench.test", a=["127.0.0.1"])
+    default = egress.BUILTIN["egress-proxy"]
+    directory = tmp_path / "egress-proxy"
+    egress.write_inputs(
+        directory, default, egress.base_config(dns.address, tmp_path / "ca", None), None
+    )
+    target_file = loadgen.write_targets(tmp_path / "targets.bin", ["bench.test"])
+    with loadgen.upstream(built, tmp_path / "upstream.txt") as up:
+        proxy = egress.start(default, directory, egress.proxy_env(PYCACHE), up["tunnel"])
+        try:
+            assert proxy.ready_s > 0 and proxy.first_connect_s > 0
+            for kind in ("connect", "socks5"):
+                port = proxy.port if kind == "connect" else proxy.socks_port
+                command = loadgen.client_args(
+                    built, "tunnels", target_file, up["tunnel"], kind, port
+                )
+                result = phase(
+                    [*command, "--count", "5", "--concurrency", "2"], tmp_path, {"proxy": proxy.pid}
+                )
+                assert result["done"] == 5, result["first_errors"]
+            job = {
+                "port": proxy.dns_port,
+                "cold": [],
+                "name": "bench.test",
+                "count": 5,
+                "seconds": 20,
+            }
+            (tmp_path / "job.json").write_text(json.dumps(job))
+            command = [
+                sys.executable,
+                str(BENCHMARKS / "bench_dns.py"),
+                "--job",
+                str(tmp_path / "job.json"),
+            ]
+            result = phase(command, tmp_path, {"proxy": proxy.pid})
+            assert result["done"] == 5 and result["errors"] == 0, result["first_errors"]
+            assert proxy.audit_log.stat().st_size > 0 and proxy.metrics_ok()
+        finally:
+            assert proxy.stop() == 0
+
+
+def test_the_dns_client_checks_every_answer(tmp_path: Path, dns: Any) -> None:
+    """Against the tests' DNS server: answers of 127.0.0.1 pass, any other address fails."""
+    dns.set("bench.test", a=["127.0.0.1"])
+    dns.set("elsewhere.test", a=["127.0.0.2"])
+    command = [
+        sys.executable,
+        str(BENCHMARKS / "bench_dns.py"),
+        "--job",
+        str(tmp_path / "job.json"),
+    ]
+    job = {"port": dns.address[1], "cold": [], "name": "bench.test", "count": 7, "seconds": 20}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    result = phase(command, tmp_path, {})
+    assert result["done"] == 7 and dns.count("bench.test", "A") == 8  # the checked one first
+    (tmp_path / "job.json").write_text(json.dumps({**job, "cold": ["elsewhere.test"]}))
+    with pytest.raises(RuntimeError, match=r"elsewhere\.test"):
+        loadgen.run_phase(command, {}, 30, tmp_path / "client.txt")
+
+
+# -- statistics and targets -------------------------------------------------------------------
 
 
 def test_percentile_is_nearest_rank() -> None:
@@ -173,6 +498,8 @@ def test_ratios_pair_samples_of_the_same_round() -> None:
         {"config": "p", "round": 3, "x": {"rate": 10.0}},  # no direct sample in round 3
     ]
     assert sorted(stats.ratios_by_round(proxy, direct, ("x", "rate"))) == [0.25, 0.3]
+    other = [{"round": 1, "y": 25.0}]
+    assert stats.ratios_by_round(proxy, other, ("x", "rate"), ("y",)) == [2.0]
 
 
 def test_summarise_gives_medians_and_ratios_to_the_baseline() -> None:
@@ -195,6 +522,58 @@ def test_latency_summary() -> None:
     assert stats.latency_summary([]) is None
 
 
+def sample(
+    config: str, n: int, cpu: float, rate: float, rss: float, ready: float
+) -> dict[str, Any]:
+    return {
+        "config": config, "round": n, "ready_s": ready, "first_connect_s": ready,
+        "tunnels": {"16": {"proxy_cpu_us_per_tunnel": cpu, "tunnels_per_s": rate,
+                           "client_cpu_us_per_tunnel": 20.0, "upstream_cpu_us_per_tunnel": 10.0}},
+        "memory": {"idle": {"rss_mb": rss}}, "worst_rss_mb": rss + 1,
+    }  # fmt: skip
+
+
+def test_targets_are_ratios_to_squid_within_rounds() -> None:
+    main = {
+        "squid": [sample("squid", 0, 100, 1000, 26, 0.1), sample("squid", 1, 200, 2000, 26, 0.1)],
+        "egress-proxy": [sample("egress-proxy", 0, 110, 900, 29, 0.2),
+                         sample("egress-proxy", 1, 260, 1500, 29, 0.4)],
+        "direct": [sample("direct", 0, 0, 9000, 0, 0), sample("direct", 1, 0, 8000, 0, 0)],
+    }  # fmt: skip
+    rows = {
+        r["target"]: r
+        for r in targets.evaluate(main, {"egress-proxy": egress.BUILTIN["egress-proxy"]})
+    }
+    cpu = rows["cpu_per_tunnel"]
+    # Per round 1.1 and 1.3: the median 1.2 is within "at most 1.2x".
+    assert cpu["ratio"] == pytest.approx(1.2) and cpu["met"] is True
+    assert cpu["loadgen"] == 30.0 and cpu["loadgen_label"] == "client + upstream"
+    rate = rows["tunnels_per_s"]
+    assert rate["ratio"] == pytest.approx(0.825) and rate["met"] is True  # 0.9 and 0.75
+    assert rate["loadgen"] == 8500.0 and rate["loadgen_label"] == "direct"
+    # The largest RSS after traffic (30) against squid's idle RSS at start (26).
+    assert rows["idle_rss"]["ratio"] == pytest.approx(30 / 26) and rows["idle_rss"]["met"] is False
+    assert rows["ready"]["value"] == pytest.approx(0.3) and rows["ready"]["met"] is True
+    assert rows["cpu_per_request"]["met"] is None  # no HTTP figures: not judged
+    assert rows["cpu_per_tunnel"]["tinyproxy_ratio"] is None  # no tinyproxy in this run
+
+
+def test_targets_that_do_not_apply_to_a_configuration_say_why() -> None:
+    main = {
+        "squid": [sample("squid", 0, 100, 1000, 26, 0.1)],
+        "egress-url-prefix": [sample("egress-url-prefix", 0, 100, 1000, 60, 0.1)],
+        "egress-inspect-all": [sample("egress-inspect-all", 0, 100, 1000, 60, 0.1)],
+    }
+    chosen = {n: egress.BUILTIN[n] for n in ("egress-url-prefix", "egress-inspect-all")}
+    rows = {(r["config"], r["target"]): r for r in targets.evaluate(main, chosen)}
+    rss = rows[("egress-url-prefix", "idle_rss")]
+    assert (
+        rss["met"] is None and "interception engine" in rss["why_not"] and rss["ratio"] is not None
+    )
+    tunnels = rows[("egress-inspect-all", "cpu_per_tunnel")]
+    assert tunnels["met"] is None and "intercepts" in tunnels["why_not"]
+
+
 # -- HTTP verification --------------------------------------------------------------------------
 
 
@@ -210,24 +589,24 @@ def wrk_result(**changes: Any) -> dict[str, Any]:
 
 
 def test_http_problems_flags_what_makes_a_sample_wrong() -> None:
-    assert bench.http_problems(wrk_result()) == []
-    assert bench.http_problems({"error": "wrk failed"}) == []  # reported where it failed
+    assert http_bench.http_problems(wrk_result()) == []
+    assert http_bench.http_problems({"error": "wrk failed"}) == []  # reported where it failed
     # Requests the origin did not see (not through the proxy), or more than wrk sent.
-    assert bench.http_problems(wrk_result(origin_requests=500))
-    assert bench.http_problems(wrk_result(origin_requests=1100))
-    assert bench.http_problems(wrk_result(requests=0, origin_requests=0))
+    assert http_bench.http_problems(wrk_result(origin_requests=500))
+    assert http_bench.http_problems(wrk_result(origin_requests=1100))
+    assert http_bench.http_problems(wrk_result(requests=0, origin_requests=0))
     non_2xx = {"connect": 0, "read": 0, "write": 0, "status": 12, "timeout": 0}
-    assert bench.http_problems(wrk_result(errors=non_2xx))
+    assert http_bench.http_problems(wrk_result(errors=non_2xx))
 
 
 def test_http_problems_accepts_reconnects_of_a_proxy_without_keep_alive() -> None:
     reads = {"connect": 0, "read": 1000, "write": 0, "status": 0, "timeout": 0}
-    assert bench.http_problems(wrk_result(keep_alive=False, errors=reads)) == []
+    assert http_bench.http_problems(wrk_result(keep_alive=False, errors=reads)) == []
     # The same closes from a proxy that keeps connections alive are failures.
-    assert bench.http_problems(wrk_result(keep_alive=True, errors=reads))
+    assert http_bench.http_problems(wrk_result(keep_alive=True, errors=reads))
 
 
-# -- missing peers ------------------------------------------------------------------------------
+# -- missing peers and the report -------------------------------------------------------------
 
 
 def test_a_missing_peer_is_skipped_with_a_note(tmp_path: Path) -> None:
@@ -241,8 +620,10 @@ def test_a_missing_peer_is_skipped_with_a_note(tmp_path: Path) -> None:
         "nginx": peers.PeerStatus("nginx", False, note="nginx not installed"),
         "wrk": peers.PeerStatus("wrk", True, "/usr/bin/wrk"),
     }
-    configs, notes = bench.runnable(["direct", "fast", "squid", "tinyproxy"], ["http"], statuses)
-    assert configs == ["direct", "fast", "tinyproxy"]
+    configs, notes = bench.runnable(
+        ["direct", "egress-proxy", "squid", "tinyproxy"], ["http"], statuses
+    )
+    assert configs == ["direct", "egress-proxy", "tinyproxy"]
     assert status.note in notes
     assert any("http workload skipped" in n and "nginx" in n for n in notes)
 
@@ -251,20 +632,27 @@ def test_report_renders_a_run_with_holes(tmp_path: Path) -> None:
     samples = {
         "main": [
             {"config": "direct", "round": 0, "tunnels": {"1": {"latency_ms": {"p50": 0.2}}}},
-            {"config": "fast", "round": 0, "tunnels": {"1": {"latency_ms": {"p50": 1.0}}}},
+            {"config": "egress-proxy", "round": 0,
+             "tunnels": {"1": {"latency_ms": {"p50": 1.0}}}},
             {"config": "squid", "round": 0, "error": "did not start"},
         ]
-    }
-    document = bench.build_document(
-        bench.QUICK, True, ["direct", "fast", "squid"], ["tunnels"],
+    }  # fmt: skip
+    chosen = {"egress-proxy": egress.BUILTIN["egress-proxy"]}
+    document = summary.build_document(
+        context.QUICK, True, ["direct", "egress-proxy", "squid"], chosen, ["tunnels"],
         {"nproc": 2, "cpu_model": "Test CPU", "kernel": "6.0", "python": "3.13.0",
          "implementation": "CPython", "git": "abc", "loadavg_at_start": ["0.1"]},
         {}, ["privoxy not installed (`make bench-deps` installs it): skipped"],
         ["round 1 squid: did not start"], samples, 12.0,
     )  # fmt: skip
+    json.dumps(document)  # it is written as JSON
     text = report.render(document, [], None)
     assert "Test CPU" in text and document["date"] in text  # machine and date
     assert "privoxy not installed" in text
     assert "round 1 squid: did not start" in text
-    assert "| egress-proxy fast path | 1.000 |" in text
-    assert "5.00x" in text  # the ratio of fast's p50 to direct's in the same round
+    assert "| egress-proxy | 1.000 |" in text
+    assert "## Targets" in text and "ratio to squid" in text
+    # Without squid's figures no target is judged: none is reported met or not met.
+    assert "0 of 0 judged targets met" in text
+    assert document["summary"]["tunnels"]["egress-proxy"]["tunnels_per_s_1"] is None
+    assert document["summary"]["tunnels"]["egress-proxy"]["latency_p50_ms_vs_direct"] == 5.0
