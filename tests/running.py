@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import http.server
-import io
 import json
 import re
 import signal
@@ -498,15 +497,3 @@ def metric_value(metrics: str, name: str, **labels: str) -> float | None:
         if all(found.get(k) == v for k, v in labels.items()):
             total = (total or 0.0) + float(match[3])
     return total
-
-
-class AuditText(io.StringIO):
-    """The stream an in-process AuditLog writes to. An AuditLog writes a loop iteration's lines
-    together at its end: reading the text first writes what the log still holds."""
-
-    log: Any = None
-
-    def getvalue(self) -> str:
-        if self.log is not None:
-            self.log.flush()
-        return super().getvalue()

@@ -24,7 +24,7 @@ import dns.message
 import dns.rcode
 import pytest
 from dns_server import DNSServer
-from running import AuditText, metric_value
+from running import metric_value
 
 from policy import compile_policy, load_manifest
 from proxy.app.config import load_config
@@ -82,10 +82,9 @@ def run(request: pytest.FixtureRequest, dns: DNSServer) -> Run:
                 config = load_config("addresses:\n  allow: [192.0.2.0/24, 2001:db8::/32]\n")
                 manifest = load_manifest("network:\n  egress: [ok.test, slow.test]\n")
                 policy = compile_policy(manifest, None, config.operator)
-                stream, metrics = AuditText(), Metrics()
+                stream, metrics = io.StringIO(), Metrics()
                 resolver = Resolver([dns.address], timeout=RESOLVER_TIMEOUT)
-                stream.log = AuditLog(stream=stream)
-                vetter = Vetter(policy, resolver, metrics, stream.log, plane="l4")
+                vetter = Vetter(policy, resolver, metrics, AuditLog(stream=stream), plane="l4")
                 limits.setdefault("header_timeout", 1.0)
                 limits.setdefault("idle_timeout", 5.0)
                 server = DnsServer(DnsResponder(vetter, metrics), ServerLimits(**limits))

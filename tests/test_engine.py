@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 import pytest
 import pytest_asyncio
 from dns_server import DNSServer
-from running import AuditText
 
 from policy import compile_policy, load_manifest
 from proxy.app.config import load_config
@@ -144,9 +143,8 @@ async def started(
     )
     policy = compile_policy(load_manifest(manifest, source=source), None, config.operator)
     metrics = Metrics()
-    stream = AuditText()
+    stream = io.StringIO()
     audit = AuditLog(stream=stream, session="test-session", metrics=metrics)
-    stream.log = audit
     engine = Engine(policy, Resolver.from_config(config), config, metrics, audit, "test-session")
     try:
         host, port = await engine.start("127.0.0.1", 0, listeners=listeners)

@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import trustme
 from dns_server import DNSServer
-from running import AuditText, make_config, metric_value
+from running import make_config, metric_value
 from test_engine import (
     ExplodingPolicy,
     Upstream,
@@ -127,9 +127,8 @@ async def opened(
         config = dataclasses.replace(config, limits=dataclasses.replace(config.limits, **limits))
     policy = compile_policy(load_manifest(manifest, source=source), None, config.operator)
     metrics = Metrics()
-    stream = AuditText()
+    stream = io.StringIO()
     audit = AuditLog(stream=stream, session="test-session", metrics=metrics)
-    stream.log = audit
     resolver = Resolver.from_config(config)
     engines: list[Engine] = []
     lock = asyncio.Lock()

@@ -396,6 +396,8 @@ class Door:
         """Gives `connection` to the interception engine (loaded now if it is not yet)."""
         engine = await self.engine()
         sock = connection.detach_socket()
+        # What arrived while the engine was loading is in the buffer by now, after the prefix.
+        prefix = bytes(connection.buffer) if len(connection.buffer) > len(prefix) else prefix
         self.connections.discard(connection)
         task = asyncio.current_task()
         assert task is not None

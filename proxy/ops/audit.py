@@ -17,7 +17,6 @@ when a `Metrics` is given) and reported once on stderr.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import sys
@@ -57,12 +56,10 @@ class AuditLog:
         # Set after a partial write: the next line then starts with a newline, so a torn line
         # stays a line of its own instead of corrupting the next record too.
         self._torn = False
-        self._pending: list[str] = []
-        self._flush_scheduled = False
         if path is not None:
-            # Raw fd writes, one os.write per loop iteration's lines: no userspace buffer keeps
-            # growing while the disk is full, and with O_APPEND each write lands whole at the
-            # end even if another process appends to the same file. Opening fails loudly: that
+            # Raw fd writes, one os.write per line: no userspace buffer keeps growing while the
+            # disk is full, and with O_APPEND each line lands whole at the end even if another
+            # process appends to the same file. Opening fails loudly: that
             # is start-up, where a misconfigured audit path must stop the proxy rather than run
             # unaudited.
             self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -84,27 +81,9 @@ class AuditLog:
         self.write(event if event is not None else CloseEvent(**fields))
 
     def write(self, event: DecisionEvent | CloseEvent) -> None:
-        self._pending.append(event.line(session=self.session, now=self._clock()) + "\n")
-        if self._flush_scheduled:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            self.flush()  # no event loop: nothing to batch with
-            return
-        # The lines of one loop iteration go out in one write (a busy proxy writes several per
-        # connection): at the end of the iteration, before the loop next waits for I/O.
-        self._flush_scheduled = True
-        loop.call_soon(self.flush)
-
-    def flush(self) -> None:
-        """Writes the lines not written yet."""
-        self._flush_scheduled = False
-        if not self._pending:
-            return
-        lines = "".join(self._pending)
-        self._pending.clear()
-        self._emit(lines)
+        # Written at once, line by line: a client that was refused may read the log the moment
+        # it sees the refusal, and its line must be there.
+        self._emit(event.line(session=self.session, now=self._clock()) + "\n")
 
     # -- output -------------------------------------------------------------------------------
 
@@ -154,11 +133,9 @@ class AuditLog:
             )
 
     def close(self) -> None:
-        """Writes what is pending, then closes a file the log opened; a stream it was given (or
-        stdout) stays open."""
+        """Closes a file the log opened; a stream it was given (or stdout) stays open."""
         if self._closed:
             return
-        self.flush()
         self._closed = True
         if self._fd is not None:
             fd, self._fd = self._fd, None
