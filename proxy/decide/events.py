@@ -9,7 +9,6 @@ the fields that were cut to their cap.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -33,17 +32,19 @@ Client = str | tuple[str, int] | tuple[str, int, int, int] | None
 
 def _timestamp(seconds: float) -> str:
     """RFC 3339, UTC, millisecond precision, with a `Z` (what most log tooling parses)."""
-    whole = math.floor(seconds)
+    whole = int(seconds // 1)
     micro = round((seconds - whole) * 1_000_000)  # as datetime rounds
     if micro >= 1_000_000:
         whole, micro = whole + 1, micro - 1_000_000
-    return f"{_second(whole)}.{micro // 1000:03d}Z"
+    second = _LAST_SECOND
+    if second[0] != whole:
+        # Formatted once per second, not once per line: a busy proxy writes thousands a second.
+        second = (whole, datetime.fromtimestamp(whole, UTC).strftime("%Y-%m-%dT%H:%M:%S"))
+        globals()["_LAST_SECOND"] = second
+    return f"{second[1]}.{micro // 1000:03d}Z"
 
 
-@functools.lru_cache(maxsize=4)
-def _second(whole: int) -> str:
-    # Formatted once per second, not once per line: a busy proxy writes thousands a second.
-    return datetime.fromtimestamp(whole, UTC).strftime("%Y-%m-%dT%H:%M:%S")
+_LAST_SECOND: tuple[int, str] = (-1, "")
 
 
 def _client(client: Client) -> str | None:
@@ -69,7 +70,7 @@ class _Fields:
         if value is None:
             return "null"
         if type(value) is str and len(value) <= cap:
-            return encode_basestring_ascii(value)
+            return _encoded(value)
         if isinstance(value, bytes | bytearray):
             value = bytes(value).decode("utf-8", "backslashreplace")
         elif type(value) is not str:
@@ -100,7 +101,7 @@ class _Fields:
             if len(text) > MAX_ADDRESS:
                 text = text[:MAX_ADDRESS]
                 self.cut(key)
-            items.append(encode_basestring_ascii(text))
+            items.append(_encoded(text))
         return "[" + ",".join(items) + "]"
 
     def cut(self, key: str) -> None:
@@ -114,6 +115,25 @@ class _Fields:
         if self.truncated is None:
             return "}"
         return ',"truncated":[' + ",".join(f'"{key}"' for key in self.truncated) + "]}"
+
+
+def _encoded(value: str) -> str:
+    """`value` as a JSON string. The same few values (hosts, rules, reasons, planes) recur on
+    line after line: short ones are remembered, in a bounded table that starts over when full
+    (its keys come from clients)."""
+    encoded = _ENCODED.get(value)
+    if encoded is None:
+        encoded = encode_basestring_ascii(value)
+        if len(value) <= _ENCODED_LENGTH:
+            if len(_ENCODED) >= _ENCODED_ENTRIES:
+                _ENCODED.clear()
+            _ENCODED[value] = encoded
+    return encoded
+
+
+_ENCODED: dict[str, str] = {}
+_ENCODED_ENTRIES = 4096
+_ENCODED_LENGTH = 100
 
 
 def _seconds(value: object) -> str:

@@ -1,9 +1,14 @@
-"""Prometheus metrics of one proxy, shared by the L7 engine and the L4 fast path.
+"""Prometheus metrics of one proxy, shared by every plane.
 
-Both planes record through the same `Metrics` methods, so a decision counts the same way
+Every plane records through the same `Metrics` methods, so a decision counts the same way
 whichever plane made it. Each `Metrics` owns its own `CollectorRegistry`: the global default
 registry would make a second proxy (or a second test) in the same process fail with
 "Duplicated timeseries".
+
+The values are plain numbers in dicts, one per series, and reach prometheus-client only when
+`/metrics` is scraped, through a collector of ours (prometheus-client's extension point for
+exactly this): a metric call sits on every connection's path, several times, and
+prometheus-client's own metric objects take a lock and validate labels on every update.
 
 Label values are bounded: every label comes from a closed set or from a reason-code-shaped
 string, and each label accepts at most `MAX_LABEL_VALUES` distinct values. Anything else is
@@ -16,16 +21,17 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from bisect import bisect_left
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
 )
 
 if TYPE_CHECKING:
@@ -112,15 +118,84 @@ class _LabelGuard:
         return value
 
 
+@dataclass(slots=True)
+class _Histogram:
+    """One histogram series: a count per bucket (not cumulative; made so when scraped)."""
+
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.buckets) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.buckets, value)] += 1  # `le` is inclusive
+        self.total += value
+
+
+@dataclass(frozen=True, slots=True)
+class _Spec:
+    name: str
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+
+
+_DECISIONS = _Spec(
+    "decisions",
+    "Policy decisions, by decision, reason code, stage and plane.",
+    ("decision", "reason", "stage", "plane"),
+)
+_DNS_LOOKUP = _Spec(
+    "dns_lookup_seconds",
+    "Time to resolve one host (cache hits included), by outcome.",
+    ("outcome",),
+    LATENCY_BUCKETS,
+)
+_UPSTREAM_CONNECT = _Spec(
+    "upstream_connect_seconds",
+    "Time to open the TCP connection to a pinned upstream address, by outcome.",
+    ("outcome",),
+    LATENCY_BUCKETS,
+)
+_CONNECTIONS = _Spec(
+    "connections", "Client connections accepted, by plane and protocol.", ("plane", "protocol")
+)
+_DURATION = _Spec(
+    "connection_duration_seconds",
+    "Lifetime of closed client connections, by plane.",
+    ("plane",),
+    DURATION_BUCKETS,
+)
+_BYTES = _Spec(
+    "bytes",
+    "Payload bytes relayed; up is client to upstream, down is upstream to client.",
+    ("direction", "plane"),
+)
+_RELOADS = _Spec(
+    "reloads",
+    "Policy reloads, by result (a failed reload keeps the last good policy).",
+    ("result",),
+)
+_DNS_QUERIES = _Spec(
+    "dns_queries",
+    "Messages to the DNS responder, by query type and answer code (`dropped`: not answered). "
+    "None is ever forwarded.",
+    ("qtype", "rcode"),
+)
+_AUDIT_ERRORS = _Spec("audit_write_errors", "Audit log lines that could not be written.")
+_COUNTERS = (_DECISIONS, _CONNECTIONS, _BYTES, _RELOADS, _DNS_QUERIES, _AUDIT_ERRORS)
+_HISTOGRAMS = (_DNS_LOOKUP, _UPSTREAM_CONNECT, _DURATION)
+
+
 class Metrics:
     """One proxy's metrics. Methods never raise on odd input: a metrics call sits on every
     connection's path, and a failing one must not turn into a failed (or, worse, an allowed)
-    connection."""
+    connection. Everything runs on the event loop's thread, scrapes included: no locks."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
-        self._children: dict[tuple[Any, ...], Any] = {}
-        r = self.registry
         self._decision = _LabelGuard(DECISIONS)
         self._plane = _LabelGuard(PLANES)
         self._reason = _LabelGuard()
@@ -129,107 +204,35 @@ class Metrics:
         self._protocol = _LabelGuard()
         self._qtype = _LabelGuard(DNS_QTYPES)
         self._rcode = _LabelGuard(DNS_RCODES)
-
-        self.decisions = Counter(
-            f"{PREFIX}decisions",
-            "Policy decisions, by decision, reason code, stage and plane.",
-            ["decision", "reason", "stage", "plane"],
-            registry=r,
-        )
-        self.dns_lookup_seconds = Histogram(
-            f"{PREFIX}dns_lookup_seconds",
-            "Time to resolve one host (cache hits included), by outcome.",
-            ["outcome"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.upstream_connect_seconds = Histogram(
-            f"{PREFIX}upstream_connect_seconds",
-            "Time to open the TCP connection to a pinned upstream address, by outcome.",
-            ["outcome"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.active_connections = Gauge(
-            f"{PREFIX}active_connections",
-            "Client connections currently open, by plane.",
-            ["plane"],
-            registry=r,
-        )
-        self.engine = Gauge(
-            f"{PREFIX}engine_loaded",
-            "1 once the L7 engine (mitmproxy) is loaded: at start when the policy can need "
-            "it, else with the first connection that does.",
-            registry=r,
-        )
-        self.connections = Counter(
-            f"{PREFIX}connections",
-            "Client connections accepted, by plane and protocol.",
-            ["plane", "protocol"],
-            registry=r,
-        )
-        self.connection_duration_seconds = Histogram(
-            f"{PREFIX}connection_duration_seconds",
-            "Lifetime of closed client connections, by plane.",
-            ["plane"],
-            buckets=DURATION_BUCKETS,
-            registry=r,
-        )
-        self.bytes = Counter(
-            f"{PREFIX}bytes",
-            "Payload bytes relayed; up is client to upstream, down is upstream to client.",
-            ["direction", "plane"],
-            registry=r,
-        )
-        self.reloads = Counter(
-            f"{PREFIX}reloads",
-            "Policy reloads, by result (a failed reload keeps the last good policy).",
-            ["result"],
-            registry=r,
-        )
-        self.reload_success_time = Gauge(
-            f"{PREFIX}last_reload_success_timestamp_seconds",
-            "Unix time of the last successful policy load or reload.",
-            registry=r,
-        )
-        self.dns_queries = Counter(
-            f"{PREFIX}dns_queries",
-            "Messages to the DNS responder, by query type and answer code (`dropped`: not "
-            "answered). None is ever forwarded.",
-            ["qtype", "rcode"],
-            registry=r,
-        )
-        self.audit_write_errors = Counter(
-            f"{PREFIX}audit_write_errors",
-            "Audit log lines that could not be written.",
-            registry=r,
-        )
-        # A gauge set to 1 rather than an Info: an Info renders with an `_info` suffix added to
-        # whatever name it gets, and a gauge keeps the conventional `egress_build_info` name.
-        self.build_info = Gauge(
-            f"{PREFIX}build_info",
-            "Build information; the value is always 1.",
-            ["version", "python"],
-            registry=r,
-        )
-
+        self._counters: dict[_Spec, dict[tuple[str, ...], float]] = {s: {} for s in _COUNTERS}
+        self._histograms: dict[_Spec, dict[tuple[str, ...], _Histogram]] = {
+            s: {} for s in _HISTOGRAMS
+        }
+        self._active: dict[str, int] = {}
+        self._engine = 0
+        self._reload_success_time: float | None = None
+        self._build: tuple[str, str] | None = None
         # Series that exist from the start, so rate() and alerts see a 0 instead of no data.
         for plane in sorted(PLANES):
-            self.active_connections.labels(plane)
+            self._active[plane] = 0
             for direction in DIRECTIONS:
-                self.bytes.labels(direction, plane)
+                self._counters[_BYTES][(direction, plane)] = 0.0
         for result in RELOAD_RESULTS:
-            self.reloads.labels(result)
+            self._counters[_RELOADS][(result,)] = 0.0
+        self._counters[_AUDIT_ERRORS][()] = 0.0
+        self.registry.register(_Collector(self))
 
-    def _child(self, metric: Any, *labels: str) -> Any:
-        """`metric.labels(*labels)`, remembered: prometheus-client validates and locks on every
-        call, and the same few series are hit several times per connection. Labels are
-        bounded (reason codes, planes), so the dict is too."""
-        key = (id(metric), *labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*labels)
-        return child
+    def _add(self, spec: _Spec, labels: tuple[str, ...], amount: float = 1.0) -> None:
+        series = self._counters[spec]
+        series[labels] = series.get(labels, 0.0) + amount
+
+    def _observe(self, spec: _Spec, labels: tuple[str, ...], value: float) -> None:
+        series = self._histograms[spec]
+        histogram = series.get(labels)
+        if histogram is None:
+            assert spec.buckets is not None
+            histogram = series[labels] = _Histogram(spec.buckets)
+        histogram.observe(value)
 
     # -- events -------------------------------------------------------------------------------
 
@@ -237,13 +240,13 @@ class Metrics:
         """One policy decision. `decision` is "allow"/"deny" (or a bool: True is allow)."""
         if isinstance(decision, bool):
             decision = "allow" if decision else "deny"
-        self._child(
-            self.decisions,
+        labels = (
             self._decision(decision),
             self._reason(reason),
             self._stage(stage),
             self._plane(plane),
-        ).inc()
+        )
+        self._add(_DECISIONS, labels)
 
     def record(self, decision: Decision | AddressDecision, plane: str = "l7") -> None:
         """A policy `Decision` or `AddressDecision` as it came out of the policy core."""
@@ -251,50 +254,109 @@ class Metrics:
 
     def dns_lookup(self, seconds: float, outcome: str) -> None:
         """`outcome` is "ok" or the resolver's reason code (dns_nxdomain, dns_timeout, ...)."""
-        self._child(self.dns_lookup_seconds, self._outcome(outcome)).observe(_amount(seconds))
+        self._observe(_DNS_LOOKUP, (self._outcome(outcome),), _amount(seconds))
 
     def upstream_connect(self, seconds: float, outcome: str) -> None:
         """`outcome` is "ok" or the failure's reason code (connect_refused, connect_timeout...)."""
-        self._child(self.upstream_connect_seconds, self._outcome(outcome)).observe(_amount(seconds))
+        self._observe(_UPSTREAM_CONNECT, (self._outcome(outcome),), _amount(seconds))
 
     def connection_opened(self, plane: str, protocol: str = "unknown") -> None:
         plane = self._plane(plane)
-        self._child(self.connections, plane, self._protocol(protocol)).inc()
-        self._child(self.active_connections, plane).inc()
+        self._add(_CONNECTIONS, (plane, self._protocol(protocol)))
+        self._active[plane] = self._active.get(plane, 0) + 1
 
     def connection_closed(self, plane: str, bytes_up: int, bytes_down: int, seconds: float) -> None:
         """Pairs with one `connection_opened(plane)`."""
         plane = self._plane(plane)
-        self._child(self.active_connections, plane).dec()
-        self._child(self.bytes, "up", plane).inc(_amount(bytes_up))
-        self._child(self.bytes, "down", plane).inc(_amount(bytes_down))
-        self._child(self.connection_duration_seconds, plane).observe(_amount(seconds))
+        self._active[plane] = self._active.get(plane, 0) - 1
+        self._add(_BYTES, ("up", plane), _amount(bytes_up))
+        self._add(_BYTES, ("down", plane), _amount(bytes_down))
+        self._observe(_DURATION, (plane,), _amount(seconds))
 
     def engine_loaded(self, loaded: bool) -> None:
-        self.engine.set(1 if loaded else 0)
+        self._engine = 1 if loaded else 0
 
     def reload(self, ok: bool) -> None:
-        self.reloads.labels("success" if ok else "failure").inc()
+        self._add(_RELOADS, ("success" if ok else "failure",))
         if ok:
-            self.reload_success_time.set(time.time())
+            self._reload_success_time = time.time()
 
     def dns_query(self, qtype: str, rcode: str) -> None:
         """One message to the DNS responder: its type (`A`, ..., `none` when it had no single
         question) and the answer's code (`NOERROR`, `REFUSED`, ..., `dropped`)."""
-        self._child(self.dns_queries, self._qtype(qtype), self._rcode(rcode)).inc()
+        self._add(_DNS_QUERIES, (self._qtype(qtype), self._rcode(rcode)))
 
     def audit_write_error(self) -> None:
-        self.audit_write_errors.inc()
+        self._add(_AUDIT_ERRORS, ())
 
     def set_build_info(self, version: str, python: str) -> None:
         """Replaces any earlier build info, so the gauge always has exactly one series."""
-        self.build_info.clear()
         # These come from our own package metadata, not from clients; the cap only keeps a
         # malformed value from making an absurd label.
-        self.build_info.labels(str(version)[:64], str(python)[:64]).set(1)
+        self._build = (str(version)[:64], str(python)[:64])
 
     # -- exposition ---------------------------------------------------------------------------
 
     def render(self) -> tuple[bytes, str]:
         """The text exposition and its Content-Type, for the admin `/metrics` endpoint."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def families(self) -> Iterator[Metric]:
+        """Every metric as prometheus-client's families, for the collector."""
+        for spec in _COUNTERS:
+            family = CounterMetricFamily(PREFIX + spec.name, spec.help, labels=spec.labels)
+            for labels, amount in sorted(self._counters[spec].items()):
+                family.add_metric(labels, amount)
+            yield family
+        for spec in _HISTOGRAMS:
+            family = HistogramMetricFamily(PREFIX + spec.name, spec.help, labels=spec.labels)
+            assert spec.buckets is not None
+            for labels, histogram in sorted(self._histograms[spec].items()):
+                cumulative, running = [], 0
+                for bound, count in zip((*spec.buckets, math.inf), histogram.counts, strict=True):
+                    running += count
+                    cumulative.append((_bound(bound), running))
+                family.add_metric(labels, cumulative, histogram.total)
+            yield family
+        active = GaugeMetricFamily(
+            f"{PREFIX}active_connections", "Client connections currently open, by plane.",
+            labels=("plane",),
+        )  # fmt: skip
+        for plane, count in sorted(self._active.items()):
+            active.add_metric((plane,), count)
+        yield active
+        yield GaugeMetricFamily(
+            f"{PREFIX}engine_loaded",
+            "1 once the interception engine (mitmproxy) is loaded.",
+            value=self._engine,
+        )
+        reloaded = GaugeMetricFamily(
+            f"{PREFIX}last_reload_success_timestamp_seconds",
+            "Unix time of the last successful policy load or reload.",
+        )
+        if self._reload_success_time is not None:
+            reloaded.add_metric((), self._reload_success_time)
+        yield reloaded
+        # A gauge set to 1 rather than an Info: an Info renders with an `_info` suffix added to
+        # whatever name it gets, and a gauge keeps the conventional `egress_build_info` name.
+        build = GaugeMetricFamily(
+            f"{PREFIX}build_info", "Build information; the value is always 1.",
+            labels=("version", "python"),
+        )  # fmt: skip
+        if self._build is not None:
+            build.add_metric(self._build, 1)
+        yield build
+
+
+def _bound(bound: float) -> str:
+    return "+Inf" if bound == math.inf else repr(float(bound))
+
+
+class _Collector:
+    """prometheus-client's view of one Metrics: asked at each scrape."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        return self._metrics.families()
