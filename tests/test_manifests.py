@@ -196,7 +196,11 @@ def test_empty_or_absent_allowed_inherits() -> None:
         ("10.0.0.1", "allowed", "non_public_address"),
         ("127.1", "allowed", "ip_address"),
         ("Example.com", "blocked", "not_canonical"),
-        ("10.0.0.1/8", "blocked", "ip_address"),
+        ("10.0.0.1/8", "blocked", "invalid_cidr"),
+        ("10.0.0.0/33", "blocked", "invalid_cidr"),
+        ("10.0.0.0/99999999999999999999", "blocked", "invalid_cidr"),
+        ("::/-1", "blocked", "invalid_cidr"),
+        ("10.0.0.0/33", "allowed", "invalid_cidr"),
     ],
 )
 def test_toml_patterns_refused(pattern: str, where: str, reason: str) -> None:
