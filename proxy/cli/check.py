@@ -186,7 +186,7 @@ def _parse_resolve(values: Sequence[str]) -> dict[str, list[str]]:
         if bad is not None:
             raise PolicyError(
                 "usage",
-                f"--resolve {shown}: {bad!r} is not an IP address; write HOST=ADDR[,ADDR...]",
+                f"--resolve {shown}: {bad[:100]!r} is not an IP address; write HOST=ADDR[,ADDR...]",
             )
         table.setdefault(key, []).extend(addresses)
     return table
