@@ -4,8 +4,9 @@ a bounded whole number where a document must hold one.
 A number out of bounds is refused where the document is parsed, with its place. Python cannot
 print an int of more than 4,300 digits (nor parse one from decimal text); other parsers read
 big integers and infinities differently (JavaScript rounds beyond 2**53, Go refuses beyond 64
-bits, YAML 1.2 readers take `.inf` and `1e999` each their own way), and NaN is not even equal
-to itself. So a document's integers lie in the 64-bit range and its floats are finite.
+bits, JSON has no infinity at all, YAML 1.1 reads `1e999` as text and YAML 1.2 as infinity),
+and NaN is not even equal to itself. So a document's integers lie in the 64-bit range and its
+floats are finite.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ class SpelledInt(int):
         self.text = text
         return self
 
+    def __getnewargs__(self) -> tuple[int, str]:  # type: ignore[override]
+        return int(self), self.text  # copy and pickle make a SpelledInt again
+
     def __repr__(self) -> str:
         return self.text
 
@@ -78,8 +82,8 @@ def not_finite(shown: str, *, overflow: bool = False) -> PolicyError:
         why = "is not a finite number"
     return PolicyError(
         "number_not_finite",
-        f"{shown} {why}: infinities and NaN are read differently by every parser; write a "
-        "finite number",
+        f"{shown} {why}; write a finite number (JSON has no infinity or NaN, and the parsers "
+        "that take them disagree on them)",
     )
 
 

@@ -4,8 +4,10 @@ message echoes is shown (never thousands of digits, never Python's spelling of t
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+import pickle
 
 import pytest
 from hypothesis import given
@@ -161,6 +163,8 @@ def test_a_spelled_int_is_its_value_and_shows_its_text() -> None:
     assert repr(spelled) == str(spelled) == f"{spelled}" == "0x1bb"
     assert json.dumps(spelled) == "443"  # --json shows the value
     assert quote(spelled) == "0x1bb"  # messages show what was written
+    for again in (copy.deepcopy(spelled), pickle.loads(pickle.dumps(spelled))):
+        assert type(again) is SpelledInt and again == 443 and again.text == "0x1bb"
 
 
 # -- prefix lengths ------------------------------------------------------------------------------
