@@ -8,11 +8,13 @@ never exit 70."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 from pathlib import Path
 
 import pytest
-from running import free_port, listening
+from dns_server import DNSServer
+from running import RunningProxy, free_port, http_get, listening, make_config, wait_for
 from test_hostile_inputs import COMMAND, HUGE, NUMBERS, VALID_MANIFEST, Run, cli, run
 
 DIGITS = HUGE.decode()
@@ -473,3 +475,19 @@ def test_a_huge_number_to_classify_is_no_address(address: str) -> None:
     assert result.code == 0, result.err
     (verdict,) = json.loads(result.out)
     assert (verdict["public"], verdict["reason"]) == (False, "invalid_address")
+
+
+# -- reload ---------------------------------------------------------------------------------------
+
+
+def test_a_number_out_of_bounds_on_reload_keeps_the_policy(tmp_path: Path, dns: DNSServer) -> None:
+    with RunningProxy(tmp_path, VALID_MANIFEST, dns=dns) as proxy:
+        config = make_config(dns) + "ports: [443, " + DIGITS + "]\n"
+        line = config.count("\n")
+        proxy.files.config.write_text(config)
+        proxy.send_signal(signal.SIGHUP)
+        wait_for(lambda: "reload failed" in proxy.stderr(), what="the failed reload")
+        stderr = proxy.stderr()
+        assert f"{proxy.files.config}:{line}:14: the integer 999999999999…9999" in stderr
+        assert "Traceback" not in stderr and DIGITS[:MAX_ECHO] not in stderr
+        assert http_get(f"http://127.0.0.1:{proxy.admin_port}/readyz")[0] == 200
