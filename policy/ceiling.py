@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from policy.documents import parse_document, require_mapping
 from policy.errors import PolicyError
-from policy.findings import Finding, describe_type, unknown_key_message
+from policy.findings import Finding, describe_type, key_text, quote, unknown_key_message
 from policy.hostnames import check_entry
 from policy.manifests import MAX_ENTRIES
 from policy.rules import Rule
@@ -25,7 +25,7 @@ class Ceiling:
     @property
     def label(self) -> str:
         """How messages name this ceiling: the tenant and the file."""
-        who = f"tenant {self.tenant!r}" if self.tenant else "the tenant"
+        who = f"tenant {quote(self.tenant)}" if self.tenant else "the tenant"
         return f"the ceiling of {who} ({self.source})"
 
 
@@ -43,7 +43,7 @@ def load_ceiling(
     for key in document:
         if key not in _KEYS:
             problem(
-                str(key),
+                key_text(key),
                 key,
                 "unknown_key",
                 unknown_key_message(key, "a ceiling", _KEYS),

@@ -1,8 +1,9 @@
 """Bytes to a Python value: YAML, TOML or JSON, with limits for hostile input.
 
 The loaders must never raise anything but PolicyError and must stay cheap on adversarial
-documents: a size cap, a NUL check, a nesting cap and a cap on what aliases expand to (a
-"billion laughs" document is a DAG that any naive walk or print expands exponentially).
+documents: a size cap, a NUL check, a nesting cap, a cap on what aliases expand to (a
+"billion laughs" document is a DAG that any naive walk or print expands exponentially), and
+bounds on every number (policy/numbers.py), each refusal at its line and column.
 """
 
 from __future__ import annotations
@@ -10,11 +11,20 @@ from __future__ import annotations
 import json
 import re
 import tomllib
-from typing import Any, Literal
-
-import yaml
+from typing import Any, Literal, NoReturn
 
 from policy.errors import PolicyError
+from policy.findings import key_text, quote
+from policy.numbers import (
+    MAX_INT,
+    MIN_INT,
+    check_float,
+    int_from_text,
+    not_finite,
+    out_of_range,
+    token_refusal,
+)
+from policy.yaml_loader import parse_yaml
 
 Syntax = Literal["yaml", "toml", "json"]
 
@@ -22,8 +32,6 @@ MAX_DOCUMENT_BYTES = 8 * 1024 * 1024
 MAX_DEPTH = 64
 # Aliases share one object when loaded, but anything that walks the value expands them.
 MAX_EXPANDED_NODES = 1_000_000
-
-_Loader: type = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def syntax_for(source: str) -> Syntax:
@@ -91,7 +99,7 @@ def parse_document(data: bytes | str, source: str, syntax: Syntax | None = None)
             return _parse_toml(text, source)
         if syntax == "json":
             return _parse_json(text, source)
-        return _parse_yaml(text, source)
+        return parse_yaml(text, source, max_depth=MAX_DEPTH, max_nodes=MAX_EXPANDED_NODES)
     except RecursionError:
         raise PolicyError(
             "too_deep",
@@ -100,178 +108,139 @@ def parse_document(data: bytes | str, source: str, syntax: Syntax | None = None)
         ) from None
 
 
-class _StrictLoader(_Loader):  # type: ignore[misc, valid-type]
-    """Safe YAML loading that refuses duplicate mapping keys.
-
-    With duplicates PyYAML keeps the last value silently; another parser may keep the first, so
-    the platform and this proxy could enforce different lists.
-    """
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            try:
-                duplicate = key in seen
-                seen.add(key)
-            except TypeError:
-                duplicate = False  # unhashable keys are refused by the constructor below
-            if duplicate:
-                mark = key_node.start_mark
-                raise PolicyError(
-                    "duplicate_key",
-                    f"duplicate key {key!r}: a key may appear once in a mapping",
-                    line=mark.line + 1,
-                    column=mark.column + 1,
-                )
-        return super().construct_mapping(node, deep=deep)
-
-
-_StrictLoader.add_constructor(
-    "tag:yaml.org,2002:map",
-    lambda loader, node: loader.construct_mapping(node),
-)
-
-
-def _construct_untagged(loader: yaml.BaseLoader, node: yaml.Node) -> Any:
-    if isinstance(node, yaml.MappingNode):
-        return loader.construct_mapping(node)
-    if isinstance(node, yaml.SequenceNode):
-        return loader.construct_sequence(node)
-    return loader.construct_scalar(node)
-
-
-# Application tags ('!Ref', '!!python/object') are read as the plain value under them: they mean
-# nothing to us, they must not fail a manifest whose network part is fine, and they never run.
-_StrictLoader.add_constructor(None, _construct_untagged)
-# Dates are read as the text written: no manifest field we read is a date, and an impossible date
-# under a key that is not ours ('released: 2024-02-30') must not fail the whole document.
-_StrictLoader.add_constructor(
-    "tag:yaml.org,2002:timestamp",
-    lambda loader, node: loader.construct_scalar(node),
-)
-
-
-def _yaml_error(exc: yaml.YAMLError, source: str) -> PolicyError:
-    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
-    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-    context = getattr(exc, "context", None)
-    detail = f"{context}: {problem}" if context else str(problem)
-    return PolicyError(
-        "yaml_syntax",
-        f"YAML syntax error: {detail}",
-        source=source,
-        line=mark.line + 1 if mark else None,
-        column=mark.column + 1 if mark else None,
-    )
-
-
-def _check_yaml_shape(text: str, source: str) -> None:
-    """Walk the event stream (flat, cheap) to refuse deep nesting, more than one document, and
-    documents whose aliases expand to more than MAX_EXPANDED_NODES nodes ("billion laughs")."""
-    depth = 0
-    documents = 0
-    counts: list[int] = [0]  # expanded node count of each open collection
-    anchors: list[str | None] = []
-    sizes: dict[str, int] = {}
-
-    def refuse(reason: str, message: str, event: yaml.Event) -> PolicyError:
-        mark = event.start_mark
-        return PolicyError(
-            reason, message, source=source, line=mark.line + 1, column=mark.column + 1
-        )
-
-    for event in yaml.parse(text, Loader=_Loader):
-        if isinstance(event, yaml.CollectionStartEvent):
-            depth += 1
-            if depth > MAX_DEPTH:
-                raise refuse("too_deep", f"nested more than {MAX_DEPTH} levels deep", event)
-            counts.append(0)
-            anchors.append(event.anchor)
-        elif isinstance(event, yaml.CollectionEndEvent):
-            depth -= 1
-            size = counts.pop() + 1
-            anchor = anchors.pop()
-            if anchor is not None:
-                sizes[anchor] = size
-            counts[-1] += size
-        elif isinstance(event, yaml.ScalarEvent):
-            counts[-1] += 1
-            if event.anchor is not None:
-                sizes[event.anchor] = 1
-        elif isinstance(event, yaml.AliasEvent):
-            counts[-1] += sizes.get(event.anchor, 1)
-        elif isinstance(event, yaml.DocumentStartEvent):
-            documents += 1
-            if documents > 1:
-                raise refuse(
-                    "multiple_documents",
-                    "more than one YAML document ('---'): a manifest is one document",
-                    event,
-                )
-        if counts[0] > MAX_EXPANDED_NODES or (len(counts) > 1 and counts[-1] > MAX_EXPANDED_NODES):
-            if sizes:
-                raise refuse(
-                    "alias_bomb",
-                    f"aliases (*name) expand this document to more than "
-                    f"{MAX_EXPANDED_NODES} values: refused as an alias bomb",
-                    event,
-                )
-            raise refuse(
-                "too_many_values", f"more than {MAX_EXPANDED_NODES} values in one document", event
-            )
-
-
-def _parse_yaml(text: str, source: str) -> Any:
-    try:
-        _check_yaml_shape(text, source)
-        return yaml.load(text, Loader=_StrictLoader)
-    except PolicyError as exc:
-        exc.source = source
-        raise
-    except yaml.YAMLError as exc:
-        raise _yaml_error(exc, source) from None
-    except (ValueError, TypeError, OverflowError) as exc:
-        # The safe constructor raises these for values such as an unhashable key or a
-        # timestamp out of range.
-        raise PolicyError("yaml_value", f"YAML value error: {exc}", source=source) from None
-
-
 _TOML_POSITION = re.compile(r"\s*\(at line (\d+), column (\d+)\)")
 _TOML_END = re.compile(r"\s*\(at end of document\)")
 
 
 def _parse_toml(text: str, source: str) -> Any:
     try:
-        return tomllib.loads(text)
+        document = tomllib.loads(text, parse_float=_toml_float)
     except tomllib.TOMLDecodeError as exc:
-        message = str(exc)
-        line = getattr(exc, "lineno", None)
-        column = getattr(exc, "colno", None)
-        match = _TOML_POSITION.search(message)
-        if match and line is None:
-            line, column = int(match.group(1)), int(match.group(2))
-        elif line is None and "end of document" in message:
-            line = text.count("\n") + 1
-            column = len(text) - (text.rfind("\n") + 1) + 1
-        detail = getattr(exc, "msg", None) or _TOML_END.sub("", _TOML_POSITION.sub("", message))
-        raise PolicyError(
-            "toml_syntax", f"TOML syntax error: {detail}", source=source, line=line, column=column
-        ) from None
+        raise _toml_syntax_error(exc, text, source) from None
+    except PolicyError as exc:  # a float out of bounds, from _toml_float
+        raise _located_number(text, _TOML_TOKENS, source, exc) from None
+    except ValueError:
+        # tomllib converts integers itself (no hook) and Python refuses more than 4,300 digits.
+        refusal = out_of_range("written with more than 4300 digits")
+        raise _located_number(text, _TOML_TOKENS, source, refusal) from None
+    unbounded = _unbounded_int(document)
+    if unbounded is not None:
+        path, value = unbounded
+        refusal = out_of_range(quote(value))
+        refusal.path = path
+        raise _located_number(text, _TOML_TOKENS, source, refusal)
+    return document
+
+
+def _toml_float(text: str) -> float:
+    return check_float(float(text.replace("_", "")), text)
+
+
+def _toml_syntax_error(exc: tomllib.TOMLDecodeError, text: str, source: str) -> PolicyError:
+    message = str(exc)
+    line = getattr(exc, "lineno", None)
+    column = getattr(exc, "colno", None)
+    match = _TOML_POSITION.search(message)
+    if match and line is None:
+        line, column = int(match.group(1)), int(match.group(2))
+    elif line is None and "end of document" in message:
+        line = text.count("\n") + 1
+        column = len(text) - (text.rfind("\n") + 1) + 1
+    detail = getattr(exc, "msg", None) or _TOML_END.sub("", _TOML_POSITION.sub("", message))
+    return PolicyError(
+        "toml_syntax", f"TOML syntax error: {detail}", source=source, line=line, column=column
+    )
+
+
+def _unbounded_int(document: dict[str, Any]) -> tuple[str, int] | None:
+    """(path, value) of an integer out of bounds: tomllib converts integers with no hook, so
+    they are checked after it. Paths are built only for containers and for the one found."""
+    stack: list[tuple[dict[str, Any] | list[Any], str]] = [(document, "")]
+    while stack:
+        container, path = stack.pop()
+        pairs = container.items() if isinstance(container, dict) else enumerate(container)
+        for key, value in pairs:
+            if isinstance(value, dict | list):
+                stack.append((value, _child_path(path, key)))
+            elif type(value) is int and not MIN_INT <= value <= MAX_INT:
+                return _child_path(path, key), value
+    return None
+
+
+def _child_path(path: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key_text(key)}" if path else key_text(key)
+
+
+# How a number's place is found in TOML and JSON, whose parsers give no position for a value:
+# strings and comments are skipped, and every other run that may be a number is a token. Both
+# parsers read a document in order, so the first token out of bounds is the one they refused.
+_TOML_TOKENS = re.compile(
+    r"""
+      \#[^\n]*
+    | \"\"\"(?:[^\\]|\\.)*?\"{3,5}
+    | \'\'\'.*?\'{3,5}
+    | "(?:[^"\\\n]|\\.)*"
+    | '[^'\n]*'
+    | (?<![\w.+-])(?P<number>[+-]?(?:inf|nan|[0-9][0-9A-Za-z_.+:-]*))(?!\w)
+    """,
+    re.VERBOSE | re.DOTALL,
+)
+_JSON_TOKENS = re.compile(
+    r'"(?:[^"\\]|\\.)*"|(?P<number>-?[0-9][0-9.eE+-]*|NaN|-?Infinity)', re.DOTALL
+)
+_KEY_AFTER = re.compile(r"[ \t]*=")  # a TOML bare key of digits is text, not a number
+
+
+def _located_number(
+    text: str, tokens: re.Pattern[str], source: str, fallback: PolicyError
+) -> PolicyError:
+    """The refusal of the first number out of bounds in `text`, at its line and column; else
+    `fallback` (named by its path where it has one)."""
+    for match in tokens.finditer(text):
+        token = match.group("number")
+        if token is None or _KEY_AFTER.match(text, match.end()):
+            continue
+        refusal = token_refusal(token)
+        if refusal is not None:
+            start = match.start("number")
+            refusal.line = text.count("\n", 0, start) + 1
+            refusal.column = start - text.rfind("\n", 0, start)
+            fallback = refusal
+            break
+    fallback.source = source
+    return fallback
 
 
 def _pairs_without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     result: dict[str, Any] = {}
     for key, value in pairs:
         if key in result:
-            raise ValueError(f"duplicate key {key!r}: a key may appear once in an object")
+            raise ValueError(f"duplicate key {quote(key)}: a key may appear once in an object")
         result[key] = value
     return result
 
 
+def _json_float(text: str) -> float:
+    return check_float(float(text), text)
+
+
+def _json_constant(text: str) -> NoReturn:
+    raise not_finite(text)  # NaN, Infinity, -Infinity: Python reads them, JSON has none
+
+
 def _parse_json(text: str, source: str) -> Any:
     try:
-        return json.loads(text, object_pairs_hook=_pairs_without_duplicates)
+        return json.loads(
+            text,
+            object_pairs_hook=_pairs_without_duplicates,
+            parse_int=int_from_text,
+            parse_float=_json_float,
+            parse_constant=_json_constant,
+        )
+    except PolicyError as exc:  # a number out of bounds, from the hooks
+        raise _located_number(text, _JSON_TOKENS, source, exc) from None
     except json.JSONDecodeError as exc:
         raise PolicyError(
             "json_syntax",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -10,6 +11,12 @@ from typing import Any, Literal
 Severity = Literal["error", "warning"]
 
 _MAX_TEXT = 200
+_MAX_KEY = 100
+# Integers shown as they are up to this size; beyond it (only values a caller built: documents
+# refuse such numbers) by their length, since Python cannot print an int of more than 4,300
+# digits and a person cannot read one.
+_MAX_SHOWN_INT = 10**24
+_LOG10_2 = math.log10(2)
 
 
 def describe_value(value: Any) -> Any:
@@ -18,8 +25,17 @@ def describe_value(value: Any) -> Any:
     Values come from hostile documents: a string may be megabytes long and a list may be the
     root of an alias bomb, so nothing here walks into containers.
     """
-    if value is None or isinstance(value, bool | int | float):
+    if value is None or isinstance(value, bool):
         return value
+    if isinstance(value, int):
+        if -_MAX_SHOWN_INT < value < _MAX_SHOWN_INT:
+            return value
+        digits = int(abs(value).bit_length() * _LOG10_2) + 1
+        return f"<{'negative ' if value < 0 else ''}integer of about {digits} digits>"
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        return "<NaN>" if math.isnan(value) else f"<{'-' if value < 0 else ''}infinity>"
     if isinstance(value, str):
         return value if len(value) <= _MAX_TEXT else value[:_MAX_TEXT] + "…"
     if isinstance(value, list | tuple):
@@ -48,14 +64,27 @@ def describe_type(value: Any) -> str:
 
 def unknown_key_message(key: Any, where: str, known: Sequence[str]) -> str:
     """The message for a key that is not one of `known`, with the likeliest meant key."""
-    close = difflib.get_close_matches(str(key), known, n=1)
+    close = difflib.get_close_matches(key_text(key), known, n=1)
     hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
     return f"unknown key {quote(key)} in {where}; {hint}"
 
 
+def key_text(key: Any) -> str:
+    """A mapping key as a finding's path writes it (`network.KEY`), bounded: keys come from
+    hostile documents too, and a path is printed in every message about the place."""
+    if isinstance(key, str):
+        return key if len(key) <= _MAX_KEY else key[: _MAX_KEY - 1] + "…"
+    return quote(key)
+
+
 def quote(value: Any) -> str:
-    """`value` as it appears inside a message: a repr of the bounded rendering."""
+    """`value` as it appears inside a message: a repr of the bounded rendering, with the
+    documents' spellings of booleans and null (`true`, not Python's `True`)."""
     shown = describe_value(value)
+    if shown is None:
+        return "null"
+    if isinstance(shown, bool):
+        return "true" if shown else "false"
     return repr(shown) if isinstance(shown, str) and not shown.startswith("<") else str(shown)
 
 

@@ -12,13 +12,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from policy.addresses import classify
+from policy.addresses import AddressRules, classify, parse_address
 from policy.documents import Syntax, parse_document, require_mapping, syntax_for
 from policy.errors import PolicyError
-from policy.findings import Finding, describe_type, quote, unknown_key_message
+from policy.findings import Finding, Severity, describe_type, key_text, quote, unknown_key_message
 from policy.hostnames import check_entry, parse_ip_literal
+from policy.numbers import check_prefix_length
 from policy.paths import canonical_prefix
-from policy.rules import Network, Rule
+from policy.rules import Action, Kind, Rule
 from policy.trie import suffixes
 from policy.urls import DEFAULT_PORTS, parse_port
 
@@ -87,8 +88,10 @@ class _Checker:
         self.rules: list[Rule] = []
         self.findings: list[Finding] = []
 
-    def find(self, path: str, value: Any, reason: str, message: str, severity: str = "error"):
-        self.findings.append(Finding(path, value, reason, message, severity, self.source))  # type: ignore[arg-type]
+    def find(
+        self, path: str, value: Any, reason: str, message: str, severity: Severity = "error"
+    ) -> None:
+        self.findings.append(Finding(path, value, reason, message, severity, self.source))
 
     # -- shared shapes -----------------------------------------------------------------------
 
@@ -108,7 +111,9 @@ class _Checker:
                 continue
             if key in known:
                 continue
-            self.find(f"{path}.{key}", key, "unknown_key", unknown_key_message(key, path, known))
+            self.find(
+                f"{path}.{key_text(key)}", key, "unknown_key", unknown_key_message(key, path, known)
+            )
 
     def string_list(self, value: Any, path: str) -> list[tuple[str, str]]:
         """(path, entry) for each string entry; a finding for everything else."""
@@ -278,7 +283,7 @@ class _Checker:
         has_allowed = bool(access.get("allowed")) and isinstance(access.get("allowed"), list)
         return "allowlist" if has_allowed else "inherit"
 
-    def toml_pattern(self, path: str, value: str, action: str) -> Rule | None:
+    def toml_pattern(self, path: str, value: str, action: Action) -> Rule | None:
         if "://" in value:
             return self.url_pattern(path, value, action)
         address = parse_ip_literal(value)
@@ -294,20 +299,10 @@ class _Checker:
                 )
                 return None
             network = ipaddress.ip_network(address)
-            return Rule(path, value, action, "address", "manifest", network=network)  # type: ignore[arg-type]
-        if "/" in value and action == "block":
-            network = _cidr(value)
-            if network is not None:
-                return Rule(path, value, "block", "address", "manifest", network=network)
-        if "/" in value and action == "allow" and _cidr(value) is not None:
-            self.find(
-                path,
-                value,
-                "cidr_not_allowed",
-                f"{quote(value)}: an address range can only be blocked; allow hostnames",
-            )
-            return None
-        kind = "exact"
+            return Rule(path, value, action, "address", "manifest", network=network)
+        if "/" in value and parse_address(value.partition("/")[0]) is not None:
+            return self.address_range(path, value, action)
+        kind: Kind = "exact"
         host_text = value
         if value.startswith("*."):
             kind, host_text = "subtree", value[2:]
@@ -322,9 +317,28 @@ class _Checker:
                 f"{quote(value)} admits a whole top-level domain",
                 "warning",
             )
-        return Rule(path, value, action, kind, "manifest", host=host)  # type: ignore[arg-type]
+        return Rule(path, value, action, kind, "manifest", host=host)
 
-    def url_pattern(self, path: str, value: str, action: str) -> Rule | None:
+    def address_range(self, path: str, value: str, action: Action) -> Rule | None:
+        """An address range (`10.0.0.0/8`), read as the operator config reads one: a blocked
+        one is a rule, an allowed one is refused (allow hostnames)."""
+        try:
+            check_prefix_length(value)
+            (network,) = AddressRules.from_strings(allow=[value]).allow
+        except PolicyError as exc:
+            self.find(path, value, "invalid_cidr", exc.message)
+            return None
+        if action == "allow":
+            self.find(
+                path,
+                value,
+                "cidr_not_allowed",
+                f"{quote(value)}: an address range can only be blocked; allow hostnames",
+            )
+            return None
+        return Rule(path, value, "block", "address", "manifest", network=network)
+
+    def url_pattern(self, path: str, value: str, action: Action) -> Rule | None:
         scheme, _, rest = value.partition("://")
         if scheme not in _URL_SCHEMES:
             self.find(
@@ -391,13 +405,6 @@ class _Checker:
             port=None if blocked else port,
             path=url_path,
         )
-
-
-def _cidr(text: str) -> Network | None:
-    try:
-        return ipaddress.ip_network(text, strict=True)
-    except ValueError:
-        return None
 
 
 class _WholeBlocks:

@@ -202,7 +202,7 @@ def parse_listen(text: str) -> tuple[str, int]:
                     "resolved)"
                 ) from None
     if not _PORT.fullmatch(port_text) or int(port_text) > MAX_PORT:
-        raise refuse(f"port {port_text!r} is not a number from 0 to 65535")
+        raise refuse(f"port {port_text[:20]!r} is not a number from 0 to 65535")
     return host, int(port_text)
 
 

@@ -80,3 +80,35 @@ def test_agent_toml_patterns_are_checked_against_the_ceiling() -> None:
         load_manifest(text, source="a.toml"), load_ceiling("egress: [acme.com]\n")
     )
     assert [f.path for f in findings if f.is_error] == ["network_access.allowed[1]"]
+
+
+@pytest.mark.parametrize(
+    ("text", "source", "path"),
+    [
+        ("egress: [12345, github.com]\n", "c.yaml", "egress[0]"),
+        ("egress: [123.45]\n", "c.yaml", "egress[0]"),
+        ("egress: [0x1bb]\n", "c.yaml", "egress[0]"),
+        ("egress: [on]\n", "c.yaml", "egress[0]"),
+        ('{"egress": [-0]}', "c.json", "egress[0]"),
+        ("egress = [1e300]\n", "c.toml", "egress[0]"),
+        ("tenant: 5\negress: []\n", "c.yaml", "tenant"),
+        ("443: x\negress: []\n", "c.yaml", "443"),
+    ],
+)
+def test_a_number_where_a_ceiling_holds_text_is_named_at_its_path(
+    text: str, source: str, path: str
+) -> None:
+    with pytest.raises(PolicyError) as info:
+        load_ceiling(text, source=source)
+    assert path in [d.path for d in info.value.details]
+
+
+def test_a_number_out_of_bounds_in_a_ceiling_is_refused_where_it_stands() -> None:
+    with pytest.raises(PolicyError) as info:
+        load_ceiling("tenant: t\negress: [github.com, " + "9" * 5000 + "]\n", source="c.yaml")
+    assert (info.value.reason, info.value.line, info.value.column) == ("number_out_of_range", 2, 22)
+
+
+def test_the_label_of_a_ceiling_bounds_its_tenant() -> None:
+    ceiling = load_ceiling(f"tenant: {'t' * 100_000}\negress: []\n", source="c.yaml")
+    assert len(ceiling.label) < 300

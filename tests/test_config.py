@@ -141,7 +141,8 @@ def test_durations(text: str, seconds: float) -> None:
 @pytest.mark.parametrize(
     "value",
     ["1500ms", "0s", "0h0m0s", 5, 5.0, "", "5", "s", "1d", "1.5s", " 2s", "2S", "-1s", "169h",
-     True, None, ["2s"]],
+     True, None, ["2s"], "99999999h", "1e9s", "0x10s", "+5s", "\u0661\u0662s", "9" * 5000 + "s",
+     "1h" * 3, 2**64 - 1, -5],
 )  # fmt: skip
 def test_bad_durations_are_refused(value: object) -> None:
     with pytest.raises(ValueError):
@@ -152,6 +153,27 @@ def test_bad_durations_are_refused(value: object) -> None:
         ("limits.connect_timeout", "invalid_value")
     ]
     assert "limits.connect_timeout" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ("99999999h", "longer than the limit of 168h"),
+        ("9" * 5000 + "s", "longer than the limit of 168h"),
+        ("604801s", "longer than the limit of 168h"),
+        (30, "like '30s'"),
+        (1.5, "like '2s', '1m30s'"),
+        (True, "true is not a duration"),
+    ],
+)
+def test_duration_messages_name_the_limit_and_the_unit(value: object, says: str) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_duration(value)
+    assert says in str(info.value) and len(str(info.value)) < 400
+
+
+def test_the_longest_duration_is_a_week() -> None:
+    assert parse_duration("168h") == parse_duration("604800s") == 7 * 24 * 3600
 
 
 def test_duration_messages_say_how_to_write_one() -> None:
@@ -323,10 +345,43 @@ def test_ports() -> None:
     assert load({"ports": [80, 443, 65535, 1]}).operator.ports == frozenset({1, 80, 443, 65535})
 
 
-@pytest.mark.parametrize("value", [0, 65536, -1, "443", True, 443.0, None])
+@pytest.mark.parametrize("value", [0, 65536, -1, "443", True, 443.0, None, 2**64 - 1, -(2**63)])
 def test_bad_ports(value: object) -> None:
     found = problems({"ports": [443, value]})
     assert list(found) == ["ports[1]"]
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("ports: [0x1bb]\n", "0x1bb is not plain decimal"),
+        ("ports: [0777]\n", "YAML 1.1 reads 511"),
+        ("ports: [0b111]\n", "not plain decimal"),
+        ("ports: [4_43]\n", "not plain decimal"),
+        ("ports: [7:23]\n", "7:23 is not plain decimal"),
+        ("ports: [on]\n", "true is a boolean"),
+        ("ports: [yes]\n", "true is a boolean"),
+        ("ports: ['443']\n", "without quotes: 443"),
+        ("ports: [443.0]\n", "write 443"),
+    ],
+)
+def test_a_port_in_another_spelling_says_how_to_write_it(text: str, says: str) -> None:
+    # YAML 1.1 (PyYAML) and YAML 1.2 readers disagree on all but the decimal spelling
+    # (`0777` is 511 to one, 777 to the other): only decimal is taken.
+    assert says in problems(text)["ports[0]"].message
+
+
+def test_toml_spellings_of_integers_are_taken() -> None:
+    # TOML defines one meaning for each: every TOML reader agrees.
+    config = load_config(b"ports = [0x1bb, 0o17, 0b11, 8_443]\n", source="c.toml")
+    assert config.operator.ports == {443, 15, 3, 8443}
+
+
+def test_a_number_out_of_bounds_in_a_config_is_refused_at_its_place() -> None:
+    with pytest.raises(ProxyError) as info:
+        load_config(b"ports = [443]\n[limits]\nmax_connections = 1e400\n", source="c.toml")
+    assert (info.value.reason, info.value.line, info.value.column) == ("number_not_finite", 3, 19)
+    assert info.value.source == "c.toml"
 
 
 def test_an_empty_port_list_is_refused_not_read_as_deny_all() -> None:
@@ -358,9 +413,31 @@ def test_limits() -> None:
     assert config.limits == Limits(3.0, 5400.0, 20.0, 64)
 
 
-@pytest.mark.parametrize("value", [0, -1, True, "64", 64.0, None])
+@pytest.mark.parametrize("value", [0, -1, True, "64", 64.0, None, 1_000_001, 2**64 - 1])
 def test_bad_max_connections(value: object) -> None:
     assert list(problems({"limits": {"max_connections": value}})) == ["limits.max_connections"]
+
+
+def test_max_connections_is_bounded_at_a_million() -> None:
+    assert load({"limits": {"max_connections": 1_000_000}}).limits.max_connections == 1_000_000
+    message = problems({"limits": {"max_connections": 10**6 + 1}})["limits.max_connections"].message
+    assert "from 1 to 1000000" in message
+
+
+@pytest.mark.parametrize(
+    ("cidr", "says"),
+    [
+        ("10.0.0.0/99999999999999999999", "an IPv4 prefix length is 0 to 32"),
+        ("10.0.0.0/33", "an IPv4 prefix length is 0 to 32"),
+        ("::/-1", "an IPv6 prefix length is 0 to 128"),
+        ("fd00::/129", "an IPv6 prefix length is 0 to 128"),
+    ],
+)
+def test_a_prefix_length_out_of_range_is_named(cidr: str, says: str) -> None:
+    found = problems({"addresses": {"deny": [cidr]}, "platform_destinations": [
+        {"host": "gw.example.net", "ports": [443], "cidrs": [cidr]}]})  # fmt: skip
+    for path in ("addresses.deny[0]", "platform_destinations[0].cidrs[0]"):
+        assert found[path].reason == "invalid_cidr" and says in found[path].message
 
 
 def test_internal_suffixes() -> None:

@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from policy import PolicyError
 from policy.documents import MAX_DEPTH, MAX_DOCUMENT_BYTES, parse_document
+from policy.numbers import SpelledInt
 
 
 def reason_of(data: bytes | str, source: str = "doc.yaml") -> tuple[str, int | None]:
@@ -117,3 +118,113 @@ def test_many_plain_values_are_not_called_an_alias_bomb() -> None:
     text = "a: [" + ",".join(["1"] * 1_000_001) + "]\n"
     reason, _ = reason_of(text)
     assert reason == "too_many_values"
+
+
+# -- numbers (policy/numbers.py) ---------------------------------------------------------------
+
+
+def refusal_of(data: str, source: str) -> PolicyError:
+    with pytest.raises(PolicyError) as info:
+        parse_document(data, source)
+    return info.value
+
+
+@pytest.mark.parametrize(
+    ("text", "source", "reason", "line", "column"),
+    [
+        ("a: 1\nb: [x, 18446744073709551616]\n", "m.yaml", "number_out_of_range", 2, 8),
+        ("a: -9223372036854775809\n", "m.yaml", "number_out_of_range", 1, 4),
+        ("a: " + "9" * 5000 + "\n", "m.yaml", "number_out_of_range", 1, 4),
+        ("a: 0b" + "1" * 65 + "\n", "m.yaml", "number_out_of_range", 1, 4),
+        ("a: {b: .inf}\n", "m.yaml", "number_not_finite", 1, 8),
+        ("a: !!float 1e999\n", "m.yaml", "number_not_finite", 1, 4),
+        ("a: !!int abc\n", "m.yaml", "yaml_value", 1, 4),
+        ('{"a": [1,\n 2, 99999999999999999999]}', "m.json", "number_out_of_range", 2, 5),
+        ('{"a": "99999999999999999999", "b": 1E400}', "m.json", "number_not_finite", 1, 36),
+        ('{"a\\"1e400": -Infinity}', "m.json", "number_not_finite", 1, 14),
+        ("a = 1\n[t]\nb = 0o" + "7" * 23 + "\n", "m.toml", "number_out_of_range", 3, 5),
+        ("a = '1e400'\nb = [1, +inf]\n", "m.toml", "number_not_finite", 2, 9),
+        ("a = 1\n\nb = { c = " + "9" * 4400 + " }\n", "m.toml", "number_out_of_range", 3, 11),
+        ('a = """\n9e999\n"""\nb = 9e999\n', "m.toml", "number_not_finite", 4, 5),
+        ("[t]\n99999999999999999999 = 1\nb = -9_223_372_036_854_775_809\n", "m.toml",
+         "number_out_of_range", 3, 5),
+    ],
+)  # fmt: skip
+def test_a_number_out_of_bounds_is_refused_at_its_line_and_column(
+    text: str, source: str, reason: str, line: int, column: int
+) -> None:
+    err = refusal_of(text, source)
+    assert (err.reason, err.line, err.column) == (reason, line, column), err
+    assert err.source == source
+    assert str(err).startswith(f"{source}:{line}:{column}: ")
+    assert len(err.message) < 300
+
+
+@pytest.mark.parametrize(
+    ("text", "source"),
+    [
+        ("a: [18446744073709551615, -9223372036854775808, 1.7976931348623157e+308]\n", "m.yaml"),
+        ('{"a": [18446744073709551615, -9223372036854775808, 1.7976931348623157e308]}', "m.json"),
+        ("a = [18446744073709551615, -9223372036854775808, 1.7976931348623157e308]\n", "m.toml"),
+    ],
+)
+def test_the_largest_numbers_in_bounds_are_read(text: str, source: str) -> None:
+    assert parse_document(text, source) == {"a": [2**64 - 1, -(2**63), 1.7976931348623157e308]}
+
+
+def test_yaml_integers_not_in_plain_decimal_keep_their_spelling() -> None:
+    document = parse_document("a: [0x1bb, 0777, 0b11, 1_000, 7:23, 443, -0, +5]\n", "m.yaml")
+    values = document["a"]
+    assert values == [443, 511, 3, 1000, 443, 443, 0, 5]
+    spelled = [v for v in values if isinstance(v, SpelledInt)]
+    assert [v.text for v in spelled] == ["0x1bb", "0777", "0b11", "1_000", "7:23"]
+    assert all(type(v) is int for v in values[5:])
+
+
+def test_a_yaml_sexagesimal_integer_is_refused_by_its_length_before_it_is_computed() -> None:
+    # PyYAML's reading multiplies by 60 once per part: a few MB of them would take hours.
+    err = refusal_of("a: 1" + ":59" * 1_000_000 + "\n", "m.yaml")
+    assert err.reason == "number_out_of_range" and (err.line, err.column) == (1, 4)
+    assert "(3000001 characters)" in err.message
+
+
+def test_a_huge_number_as_a_yaml_key_is_refused_at_the_key() -> None:
+    err = refusal_of("a:\n  ? 0x" + "f" * 5000 + "\n  : 1\n", "m.yaml")
+    assert (err.reason, err.line, err.column) == ("number_out_of_range", 2, 5)
+
+
+def test_a_duplicate_key_message_is_bounded() -> None:
+    key = "k" * 100_000
+    for text, source in ((f"? {key}\n: 1\n? {key}\n: 2\n", "m.yaml"),
+                         (f'{{"{key}": 1, "{key}": 2}}', "m.json")):  # fmt: skip
+        err = refusal_of(text, source)
+        assert err.reason == "duplicate_key" and len(err.message) < 400
+
+
+_INT_TOKENS = st.one_of(
+    st.integers().map(str),
+    st.integers(min_value=2**64 - 3, max_value=2**64 + 3).map(str),
+    st.integers(min_value=-(2**63) - 3, max_value=-(2**63) + 3).map(str),
+    st.integers(min_value=4290, max_value=4400).map(lambda n: "9" * n),
+)
+
+
+def _in_bounds(token: str) -> bool:
+    return len(token) <= 21 and -(2**63) <= int(token) <= 2**64 - 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_INT_TOKENS, min_size=1, max_size=6), st.sampled_from(["yaml", "json", "toml"]))
+def test_integers_in_bounds_are_read_and_the_first_other_is_refused_where_it_stands(
+    tokens: list[str], syntax: str
+) -> None:
+    head = {"yaml": "a: [", "json": '{"a": [', "toml": "a = ["}[syntax]
+    tail = {"yaml": "]\n", "json": "]}", "toml": "]\n"}[syntax]
+    text = head + ", ".join(tokens) + tail
+    bad = next((i for i, t in enumerate(tokens) if not _in_bounds(t)), None)
+    if bad is None:
+        assert parse_document(text, f"m.{syntax}") == {"a": [int(t) for t in tokens]}
+        return
+    err = refusal_of(text, f"m.{syntax}")
+    assert err.reason == "number_out_of_range"
+    assert (err.line, err.column) == (1, len(head) + sum(len(t) + 2 for t in tokens[:bad]) + 1)

@@ -137,6 +137,51 @@ HOSTILE: dict[str, tuple[Callable[[Path], Path], str]] = {
     "two_documents": (_bytes("two.yaml", b"network: {}\n---\nnetwork: {}\n"), ":2:"),
 }
 
+# Numbers out of bounds (policy/numbers.py), refused wherever a document is read, at the line
+# and column of the number. HUGE has more digits than Python converts to or from text.
+HUGE = b"9" * 5000
+NUMBERS: dict[str, tuple[Callable[[Path], Path], str]] = {
+    "toml_huge_int": (_bytes("int.toml", b"name = 'x'\nsize = " + HUGE + b"\n"), ":2:8:"),
+    "toml_huge_int_in_a_list": (
+        _bytes("list.toml", b'[network_access]\nallowed = ["a.com", ' + HUGE + b"]\n"),
+        ":2:21:",
+    ),
+    # Fewer digits than Python's limit, still far out of range.
+    "toml_4000_digits": (_bytes("int4000.toml", b"size = " + b"9" * 4000 + b"\n"), ":1:8:"),
+    "toml_huge_hex": (_bytes("hex.toml", b"size = 0x" + b"f" * 5000 + b"\n"), ":1:8:"),
+    "toml_2_to_the_64": (_bytes("big.toml", b"size = 18446744073709551616\n"), ":1:8:"),
+    "toml_inf": (_bytes("inf.toml", b"size = -inf\n"), ":1:8:"),
+    "toml_nan": (_bytes("nan.toml", b"size = nan\n"), ":1:8:"),
+    "toml_1e400": (_bytes("e400.toml", b"size = 1e400\n"), ":1:8:"),
+    # Digits in strings, comments and keys before the number are no numbers.
+    "toml_after_strings": (
+        _bytes(
+            "strings.toml",
+            b"# 1e999 " + HUGE + b'\na = "1e999"\nb = """\n' + HUGE + b'\n"""\n'
+            b"c = '" + HUGE + b"'\n12345 = 1\nd = [1, 2, " + HUGE + b"]\n",
+        ),
+        ":8:12:",
+    ),
+    "json_huge_int": (_bytes("int.json", b'{"network": {"egress": [' + HUGE + b"]}}"), ":1:25:"),
+    "json_1e400": (_bytes("e400.json", b'{\n  "size": 1e400\n}'), ":2:11:"),
+    "json_huge_exponent": (_bytes("exp.json", b'{"size": -1e99999999999999}'), ":1:10:"),
+    "json_nan": (_bytes("nan.json", b'{"size": NaN}'), ":1:10:"),
+    "json_infinity": (_bytes("infinity.json", b'{"a": "NaN", "size": -Infinity}'), ":1:22:"),
+    "yaml_huge_int": (_bytes("int.yaml", b"network:\n  egress: [" + HUGE + b"]\n"), ":2:12:"),
+    "yaml_huge_hex": (_bytes("hex.yaml", b"size: 0x" + b"f" * 5000 + b"\n"), ":1:7:"),
+    "yaml_huge_octal": (_bytes("octal.yaml", b"size: 0" + b"7" * 30 + b"\n"), ":1:7:"),
+    "yaml_sexagesimal": (_bytes("sexagesimal.yaml", b"size: 1" + b":59" * 3000 + b"\n"), ":1:7:"),
+    "yaml_underscores": (_bytes("underscores.yaml", b"size: 1" + b"_0" * 60 + b"\n"), ":1:7:"),
+    "yaml_inf": (_bytes("inf.yaml", b"size: -.inf\n"), ":1:7:"),
+    "yaml_nan": (_bytes("nan.yaml", b"size: .NaN\n"), ":1:7:"),
+    "yaml_1e999": (_bytes("e999.yaml", b"size: 1.0e+999\n"), ":1:7:"),
+    "yaml_huge_key": (
+        _bytes("key.yaml", b"network:\n  ? 0x" + b"f" * 5000 + b"\n  : 1\n"),
+        ":2:5:",
+    ),
+}
+HOSTILE.update(NUMBERS)
+
 # Where a file is read, as argv with {} for the hostile file.
 ROLES: dict[str, list[str]] = {
     "check": ["check", "{}"],

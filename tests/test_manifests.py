@@ -196,7 +196,11 @@ def test_empty_or_absent_allowed_inherits() -> None:
         ("10.0.0.1", "allowed", "non_public_address"),
         ("127.1", "allowed", "ip_address"),
         ("Example.com", "blocked", "not_canonical"),
-        ("10.0.0.1/8", "blocked", "ip_address"),
+        ("10.0.0.1/8", "blocked", "invalid_cidr"),
+        ("10.0.0.0/33", "blocked", "invalid_cidr"),
+        ("10.0.0.0/99999999999999999999", "blocked", "invalid_cidr"),
+        ("::/-1", "blocked", "invalid_cidr"),
+        ("10.0.0.0/33", "allowed", "invalid_cidr"),
     ],
 )
 def test_toml_patterns_refused(pattern: str, where: str, reason: str) -> None:
@@ -268,3 +272,29 @@ def test_non_string_message_names_the_type() -> None:
         ["a", "boolean"],
         ["a", "list"],
     ]
+
+
+@pytest.mark.parametrize(
+    ("text", "source", "shown"),
+    [
+        ("schema_version: 0x1\nnetwork_access: {}\n", "a.yaml", "schema_version is 0x1;"),
+        ("schema_version: true\nnetwork_access: {}\n", "a.yaml", "schema_version is true;"),
+        ('{"schema_version": 1.0, "network_access": {}}', "a.json", "schema_version is 1.0;"),
+        ("schema_version = 2\n", "a.toml", "schema_version is 2;"),
+    ],
+)
+def test_a_schema_version_other_than_the_integer_1_is_shown_as_written(
+    text: str, source: str, shown: str
+) -> None:
+    (finding,) = load_manifest(text, source=source).findings
+    assert finding.reason == "unsupported_schema_version" and shown in finding.message
+
+
+def test_a_key_in_a_finding_path_is_bounded() -> None:
+    key = "9" * 5000
+    m = load_manifest('{"network": {"' + key + '": 1, "443": 2}}', source="a.json")
+    paths = [f.path for f in m.findings]
+    assert paths[0] == "network." + "9" * 99 + "…" and paths[1] == "network.443"
+    assert all(len(f.message) < 500 for f in m.findings)
+    m = load_manifest("network:\n  443: x\n  true: y\n", source="a.yaml")
+    assert [f.path for f in m.findings] == ["network.443", "network.true"]
