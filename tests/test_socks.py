@@ -741,3 +741,49 @@ def test_the_same_address_twice_is_refused(capsys: pytest.CaptureFixture[str]) -
     )
     assert code == 2
     assert "use the same address" in capsys.readouterr().err
+
+
+# -- hosts whose rules need inspection -------------------------------------------------------
+
+
+def test_a_host_that_needs_inspection_is_checked_before_the_reply_and_gated_after_it(
+    tmp_path: Path, names: DNSServer
+) -> None:
+    with recording() as upstream:
+        allowed = [f"https://{host}:{upstream.port}/api/" for host in ("up.test", "private.test")]
+        manifest = f"schema_version: 1\nnetwork_access:\n  allowed: {allowed}\n"
+        with RunningProxy(
+            tmp_path,
+            manifest,
+            dns=names,
+            config_extra=f"inspection:\n  ca_dir: {tmp_path / 'ca'}\n",
+            args=("--listen", "socks5://127.0.0.1:0"),
+        ) as proxy:
+            match = SOCKS_LISTENER.search(proxy.stderr())
+            assert match
+            session = Session(proxy, int(match[1]), names)
+            # Resolved and checked before the reply: a private answer is reply 2.
+            with Client(session.socks) as client:
+                assert client.connect("private.test", upstream.port).code == 2
+            assert session.denial(client.port)["reason"] == "private"
+            # Allowed: reply 0 (no upstream connection of the front door's: 0.0.0.0:0), then the
+            # SNI gate, before anything reaches the interception engine.
+            with Client(session.socks) as client:
+                reply = client.connect("up.test", upstream.port)
+                assert (reply.code, reply.bound) == (0, ("0.0.0.0", 0))
+                client.send(python_hello("tls.test"))
+                assert client.rest() == b""
+            denial = session.denial(client.port)
+            assert (denial["stage"], denial["reason"]) == ("sni", "sni_mismatch")
+            with Client(session.socks) as client:
+                assert client.connect("up.test", upstream.port).code == 0
+                hello = python_hello("up.test")
+                client.send(hello)
+                with contextlib.suppress(TimeoutError):
+                    client.sock.settimeout(2)
+                    client.sock.recv(65536)
+            session.closed(client.port)
+            gate = [x for x in session.decisions(client.port) if x["stage"] == "sni"]
+            assert [(x["decision"], x["sni"]) for x in gate] == [("allow", "up.test")]
+        # The client's own hello never went to the upstream as is: the tunnel was not relayed.
+        assert hello not in upstream.received
