@@ -30,6 +30,8 @@ byte; its decision line says what arrived.
 from __future__ import annotations
 
 import ipaddress
+import re
+import socket
 import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
@@ -84,6 +86,8 @@ _REPLY_FOR_REASON = {
     SOCKS_ADDRESS_TYPE: ADDRESS_TYPE_NOT_SUPPORTED,
     INTERNAL_ERROR: GENERAL_FAILURE,  # fail closed, and say it was ours
 }
+# What a name's bytes may not hold: NUL and the other controls, DEL, anything not ASCII.
+_NOT_NAME_BYTE = re.compile(rb"[\x00-\x1f\x7f-\xff]")
 _NO_ADDRESS = b"\x01\x00\x00\x00\x00\x00\x00"  # ATYP IPv4, 0.0.0.0, port 0
 _TIMED_OUT = Refused(
     408, HEADER_TIMEOUT, "no complete SOCKS5 greeting and request within the time limit"
@@ -106,9 +110,12 @@ def reply(code: int, bound: tuple[str, int] | None = None) -> bytes:
     """A reply: VER, REP, RSV, then BND.ADDR and BND.PORT (`bound`, or 0.0.0.0:0)."""
     if bound is None:
         return bytes((VERSION, code, 0)) + _NO_ADDRESS
-    address = ipaddress.ip_address(bound[0].partition("%")[0])
-    atyp = IPV4 if address.version == 4 else IPV6
-    return bytes((VERSION, code, 0, atyp)) + address.packed + struct.pack("!H", bound[1])
+    host = bound[0]
+    if ":" in host:
+        atyp, packed = IPV6, socket.inet_pton(socket.AF_INET6, host.partition("%")[0])
+    else:
+        atyp, packed = IPV4, socket.inet_pton(socket.AF_INET, host)
+    return bytes((VERSION, code, 0, atyp)) + packed + struct.pack("!H", bound[1])
 
 
 # -- the wire ----------------------------------------------------------------------------------
@@ -208,17 +215,19 @@ def _name_problem(name: bytes | bytearray, *, complete: bool) -> Refused | None:
     than ASCII: an internationalised name goes as its A-label, xn--...)."""
     if complete and not name:
         return _invalid("a domain name of length 0")
-    for index, byte in enumerate(name):
-        if byte == 0:
-            return _invalid(f"a NUL byte at offset {index} of the domain name")
-        if byte < 0x20 or byte == 0x7F:
-            return _invalid(f"control byte 0x{byte:02x} at offset {index} of the domain name")
-        if byte > 0x7F:
-            return _invalid(
-                f"non-ASCII byte 0x{byte:02x} at offset {index} of the domain name "
-                "(send an internationalised name as its A-label, xn--...)"
-            )
-    return None
+    bad = _NOT_NAME_BYTE.search(name)
+    if bad is None:
+        return None
+    index = bad.start()
+    byte = name[index]
+    if byte == 0:
+        return _invalid(f"a NUL byte at offset {index} of the domain name")
+    if byte < 0x20 or byte == 0x7F:
+        return _invalid(f"control byte 0x{byte:02x} at offset {index} of the domain name")
+    return _invalid(
+        f"non-ASCII byte 0x{byte:02x} at offset {index} of the domain name "
+        "(send an internationalised name as its A-label, xn--...)"
+    )
 
 
 def name_is_address(host: str) -> Refused | None:
