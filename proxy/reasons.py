@@ -29,6 +29,13 @@ HEADER_TIMEOUT = "header_timeout"
 POLICY_RELOAD = "policy_reload"
 NO_ORIGINAL_DESTINATION = "no_original_destination"
 PROXY_LOOP = "proxy_loop"  # a destination that is one of the proxy's own listeners
+# SOCKS5 (RFC 1928): what arrived on a SOCKS5 listener was not SOCKS5 at all (SOCKS4, HTTP,
+# TLS, ...); the client offered no method we serve (only 0x00, no authentication); a command
+# other than CONNECT (BIND, UDP ASSOCIATE); an address type other than IPv4, name, IPv6.
+NOT_SOCKS5 = "not_socks5"
+SOCKS_NO_METHOD = "socks_no_acceptable_method"
+SOCKS_COMMAND = "socks_command_unsupported"
+SOCKS_ADDRESS_TYPE = "socks_address_type_unsupported"
 INTERNAL_ERROR = d.INTERNAL_ERROR
 
 DENIED_HEADER = "X-Egress-Denied"

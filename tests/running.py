@@ -64,16 +64,19 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def tcp_server(handle: Callable[[socket.socket], None], host: str = LOOPBACK) -> Iterator[int]:
-    """A TCP server on `host` that runs `handle(connection)` for every connection, each in a
-    thread of its own, and closes the connection after it; yields the port. A handler's
-    OSError (a client gone) ends that connection only."""
+    """A TCP server on `host` (IPv4 or IPv6) that runs `handle(connection)` for every
+    connection, each in a thread of its own, and closes the connection after it; yields the
+    port. A handler's OSError (a client gone) ends that connection only."""
 
     class Handler(socketserver.BaseRequestHandler):
         def handle(self) -> None:
             with contextlib.suppress(OSError):
                 handle(self.request)
 
-    server = socketserver.ThreadingTCPServer((host, 0), Handler)
+    class Server(socketserver.ThreadingTCPServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET  # `::1` too
+
+    server = Server((host, 0), Handler)
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, args=(0.1,), daemon=True)
     thread.start()
@@ -83,6 +86,22 @@ def tcp_server(handle: Callable[[socket.socket], None], host: str = LOOPBACK) ->
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+@contextlib.contextmanager
+def full_listener() -> Iterator[tuple[socket.socket, socket.socket]]:
+    """A loopback listener whose accept queue is full (Linux drops SYNs to it, so connects hang
+    until a place frees up) and the connection filling it. Nothing leaves loopback."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    filler = socket.socket()
+    filler.connect(listener.getsockname())
+    try:
+        yield listener, filler
+    finally:
+        filler.close()
+        listener.close()
 
 
 def listening(port: int, host: str = LOOPBACK) -> bool:

@@ -21,7 +21,7 @@ import socket
 import ssl
 import struct
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import trustme
 from dns_server import DNSServer
-from running import make_config, metric_value
+from running import full_listener, make_config, metric_value
 from test_engine import (
     ExplodingPolicy,
     Upstream,
@@ -221,22 +221,6 @@ async def open_tunnel(
     before = len(upstream.received)
     assert len(await received(upstream, before + len(hello))) >= len(hello)
     return reader, writer
-
-
-@contextlib.contextmanager
-def full_listener() -> Iterator[tuple[socket.socket, socket.socket]]:
-    """A loopback listener whose accept queue is full (Linux drops SYNs to it, so connects hang
-    until a place frees up) and the connection filling it. Nothing leaves loopback."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(0)
-    filler = socket.socket()
-    filler.connect(listener.getsockname())
-    try:
-        yield listener, filler
-    finally:
-        filler.close()
-        listener.close()
 
 
 def tls_context(ca: trustme.CA, *names: str) -> ssl.SSLContext:

@@ -6,6 +6,8 @@ as its import finishes, so what the process imported so far can be read at any m
   importing any mitmproxy module (`egress_engine_loaded 0`); its first plain-HTTP request loads
   the engine (`egress_engine_loaded 1`) and is served.
 - A manifest with URL-prefix rules loads the engine at start, before any connection.
+- A session with a SOCKS5 listener serves SOCKS5 tunnels (allowed and denied) in the front
+  door too: mitmproxy is never imported.
 - `--engine-only` serves CONNECT with the engine itself (audit plane l7).
 - `--dns-listen` is served by our own DNS server: a session that answered DNS over UDP and TCP
   (and served a tunnel) has never imported mitmproxy.
@@ -13,6 +15,8 @@ as its import finishes, so what the process imported so far can be read at any m
 
 from __future__ import annotations
 
+import re
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +25,7 @@ from dns import message as dnsmessage
 from dns import query as dnsquery
 from dns_server import DNSServer
 from running import (
+    CURL,
     HELLO,
     LOOPBACK,
     HTTPUpstream,
@@ -112,6 +117,42 @@ def test_a_passthrough_session_never_imports_mitmproxy(
         plain = [x for x in proxy.audit() if x["host"] == "up.test"]
         assert plain and {x["plane"] for x in plain} == {"l7"}
         assert [x["reason"] for x in plain if x.get("stage") == "name"] == ["allowed"]
+    assert proxy.returncode == 0
+
+
+def test_a_socks5_session_never_imports_mitmproxy(
+    tmp_path: Path, dns: DNSServer, upstream: TLSUpstream
+) -> None:
+    with RunningProxy(
+        tmp_path / "run",
+        MANIFEST,
+        dns=dns,
+        python_flags=IMPORTTIME,
+        config_extra=f"inspection:\n  ca_dir: {tmp_path / 'ca'}\n",
+        args=("--listen", "socks5://127.0.0.1:0"),
+    ) as proxy:
+        match = re.search(r" and socks5://127\.0\.0\.1:(\d+)", proxy.stderr())
+        assert match, proxy.stderr()
+        socks = f"127.0.0.1:{match[1]}"
+
+        def through_socks(url: str, *args: str) -> subprocess.CompletedProcess[bytes]:
+            command = [CURL, "-q", "-sS", "--max-time", "5", "--socks5-hostname", socks]
+            return subprocess.run([*command, *args, url], capture_output=True, timeout=15)
+
+        url = f"https://tls.test:{upstream.port}/"
+        allowed = through_socks(url, "--cacert", str(upstream.ca_file))
+        assert allowed.returncode == 0, allowed.stderr
+        assert allowed.stdout == TLS_BODY  # the upstream's own certificate, verified
+        denied = through_socks("https://denied.test/")
+        assert denied.returncode == 97  # the SOCKS5 proxy refused (reply 2)
+        wait_for(lambda: len(proxy.closes()) == 2, what="two close lines")
+        assert mitmproxy_modules(proxy) == []
+        assert engine_loaded(proxy) == 0
+        assert not (tmp_path / "ca").exists()
+        assert {(x["plane"], x["protocol"], x["host"]) for x in proxy.closes()} == {
+            ("l4", "socks5", "tls.test"),
+            ("l4", "socks5", "denied.test"),
+        }
     assert proxy.returncode == 0
 
 
