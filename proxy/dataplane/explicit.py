@@ -55,8 +55,9 @@ class Explicit(Connection):
             self.answered = True
             self.transport.write(ESTABLISHED)
             outcome = await tunnel.client_hello(self, dialled.name)
-            if outcome is None:
+            if outcome is None:  # the client ended (or went) before its ClientHello
                 dialled.transport.close()
+                self.close()
                 return
             self.sni = outcome.sni
             if outcome.refused is not None:
