@@ -64,13 +64,18 @@ class Explicit(Connection):
                 dialled.transport.close()
                 self.door.vetter.refusal(
                     outcome.refused, self.peer, dialled.name, port, self.protocol,
-                    stage="sni", sni=outcome.sni,
+                    stage="sni", sni=outcome.sni, vetted=dialled.vetted,
                 )  # fmt: skip
                 self.reason = outcome.refused.reason
                 self.close()
                 return
             self.door.vetter.allowed(
-                self.peer, self.protocol, stage="sni", host=dialled.name, port=port, sni=self.sni
+                self.peer,
+                self.protocol,
+                stage="sni",
+                vetted=dialled.vetted,
+                port=port,
+                sni=self.sni,
             )
             tunnel.relay(self, dialled)
         except BaseException:

@@ -58,6 +58,7 @@ from proxy.reasons import (
 
 if TYPE_CHECKING:
     from policy import Decision
+    from proxy.decide.vetting import Vetted
 
 VERSION: Final = 5
 NO_AUTHENTICATION: Final = 0x00
@@ -311,7 +312,7 @@ class Socks5(Connection):
             if not self._succeeded(dialled.transport.get_extra_info("sockname")):
                 dialled.transport.close()
                 return
-            if not await self._gate(dialled.name, port):
+            if not await self._gate(dialled.name, port, dialled.vetted):
                 dialled.transport.close()
                 return
             tunnel.relay(self, dialled)
@@ -327,7 +328,7 @@ class Socks5(Connection):
         self.target = target
         try:
             vetted = await vetter.vet(
-                target, port, peer, self.protocol, inspecting=True, decision=decision
+                target, port, peer, self.protocol, inspecting=True, decision=decision, final=False
             )
         except Refused as refused:
             self.refuse(refused, host, port, stage="", record=False)
@@ -336,10 +337,12 @@ class Socks5(Connection):
         self.host, self.port, self.pinned = name, port, vetted.pinned
         if any(self.door.is_own(address, port) for address in vetted.pinned):
             own = f"{authority(name, port)} is this proxy's own listener"
-            self.refuse(Refused(403, PROXY_LOOP, own), name, port, stage="address")
+            loop = Refused(403, PROXY_LOOP, own)
+            vetter.refusal(loop, peer, name, port, self.protocol, stage="address", vetted=vetted)
+            self.refuse(loop, name, port, stage="", record=False)
             return
         # No upstream connection yet, so no bound address to report: 0.0.0.0:0.
-        if self._succeeded(None) and await self._gate(name, port):
+        if self._succeeded(None) and await self._gate(name, port, vetted):
             await self.door.intercept(self)
 
     def _succeeded(self, bound: tuple[str, int] | None) -> bool:
@@ -351,7 +354,7 @@ class Socks5(Connection):
         self.transport.write(reply(SUCCEEDED, bound))
         return True
 
-    async def _gate(self, name: str, port: int) -> bool:
+    async def _gate(self, name: str, port: int, vetted: Vetted) -> bool:
         """The SNI gate on what the client sends first; False when it refused (or the client
         ended), the connection closed and its lines written."""
         outcome = await tunnel.client_hello(self, name, what="SOCKS5 host")
@@ -361,13 +364,14 @@ class Socks5(Connection):
         self.sni = outcome.sni
         if outcome.refused is not None:
             self.door.vetter.refusal(
-                outcome.refused, self.peer, name, port, self.protocol, stage="sni", sni=self.sni
-            )
+                outcome.refused, self.peer, name, port, self.protocol,
+                stage="sni", sni=self.sni, vetted=vetted,
+            )  # fmt: skip
             self.reason = outcome.refused.reason
             self.close()
             return False
         self.door.vetter.allowed(
-            self.peer, self.protocol, stage="sni", host=name, port=port, sni=self.sni
+            self.peer, self.protocol, stage="sni", vetted=vetted, port=port, sni=self.sni
         )
         return True
 

@@ -99,6 +99,6 @@ class Transparent(Connection):
             self.refuse(refused, None, port, stage="", record=False)
             return
         self.door.vetter.allowed(
-            self.peer, self.protocol, stage="sni", host=dialled.name, port=port, sni=self.sni
+            self.peer, self.protocol, stage="sni", vetted=dialled.vetted, port=port, sni=self.sni
         )
         tunnel.relay(self, dialled)

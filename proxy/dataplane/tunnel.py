@@ -21,6 +21,7 @@ from proxy.reasons import HEADER_TIMEOUT, PROXY_LOOP, UPSTREAM_TIMEOUT, Refused,
 if TYPE_CHECKING:
     from policy import Decision
     from proxy.dataplane.connection import Connection
+    from proxy.decide.vetting import Vetted
 
 
 @dataclass(slots=True)
@@ -28,6 +29,7 @@ class Dialled:
     name: str  # the host as the policy decided it
     transport: asyncio.Transport
     upstream: Upstream
+    vetted: Vetted
 
 
 async def dial(
@@ -45,13 +47,15 @@ async def dial(
     peer, protocol = connection.peer, connection.protocol
     connection.target = target
     vetted = await vetter.vet(
-        target, port, peer, protocol, inspecting=False, decision=decision, **context
+        target, port, peer, protocol, inspecting=False, decision=decision, final=False, **context
     )
     name = vetted.decision.host
     connection.host, connection.port, connection.pinned = name, port, vetted.pinned
     if any(door.is_own(address, port) for address in vetted.pinned):
         refused = Refused(403, PROXY_LOOP, f"{authority(name, port)} is this proxy's own listener")
-        vetter.refusal(refused, peer, name, port, protocol, stage="address", **context)
+        vetter.refusal(
+            refused, peer, name, port, protocol, stage="address", vetted=vetted, **context
+        )
         raise refused
     try:
         transport, upstream = await dial_checked(
@@ -65,11 +69,13 @@ async def dial(
     except UpstreamError as exc:
         status = 504 if exc.reason == UPSTREAM_TIMEOUT else 502
         refused = Refused(status, exc.reason, exc.message, error=True)
-        vetter.refusal(refused, peer, name, port, protocol, stage="upstream", **context)
+        vetter.refusal(
+            refused, peer, name, port, protocol, stage="upstream", vetted=vetted, **context
+        )
         raise refused from None
     address = transport.get_extra_info("peername")
     connection.upstream = authority(address[0], address[1])
-    return Dialled(name, transport, upstream)
+    return Dialled(name, transport, upstream, vetted)
 
 
 async def client_hello(connection: Connection, host: str, *, what: str = "CONNECT host") -> Any:

@@ -56,8 +56,24 @@ class Peer:
 
 @dataclass(frozen=True, slots=True)
 class Vetted:
-    decision: Decision
+    decision: Decision  # the name stage
+    checked: AddressDecision  # the address stage
     pinned: tuple[str, ...]  # checked, in answer order
+
+    def context(self) -> dict[str, Any]:
+        """What a decision line says of a destination vetted this far."""
+        decision, checked = self.decision, self.checked
+        return {
+            "host": decision.host,
+            "rule": decision.rule,
+            "ceiling": decision.ceiling,
+            "resolved": tuple(v.address for v in checked.verdicts),
+            "pinned": self.pinned,
+        }
+
+
+def _allow_message(vetted: Vetted) -> str:
+    return f"{vetted.decision.message}; {vetted.checked.message}"
 
 
 def canonical_host(host: str) -> str:
@@ -176,8 +192,19 @@ class Vetter:
             )
         )
 
-    def allowed(self, peer: Peer, protocol: str, *, stage: str, **context: Any) -> None:
-        """Metrics and audit for an allow of the runtime's own (the SNI gate)."""
+    def allowed(
+        self,
+        peer: Peer,
+        protocol: str,
+        *,
+        stage: str,
+        vetted: Vetted | None = None,
+        **context: Any,
+    ) -> None:
+        """The allow line of a destination whose last stage is the caller's (the SNI gate after
+        `vet(..., final=False)`): one line for the whole decision, with what vetting found."""
+        if vetted is not None:
+            context = {**vetted.context(), "message": _allow_message(vetted), **context}
         self._own(True, d.ALLOWED, peer, protocol, stage, context)
 
     def refusal(
@@ -189,9 +216,13 @@ class Vetter:
         protocol: str,
         *,
         stage: str = "engine",
+        vetted: Vetted | None = None,
         **context: Any,
     ) -> None:
-        """Metrics and audit for a denial the policy core did not produce itself."""
+        """Metrics and audit for a denial the policy core did not produce itself (`vetted`: a
+        destination vetted this far, whose rule and addresses the line then names)."""
+        if vetted is not None:
+            context = {**vetted.context(), **context}
         context.update(host=host, port=port, message=refused.message)
         self._own(False, refused.reason, peer, protocol, stage, context)
 
@@ -230,24 +261,31 @@ class Vetter:
         *,
         inspecting: bool,
         decision: Decision | None = None,
+        final: bool = True,
         **context: Any,
     ) -> Vetted:
         """Name stage on `target` (an authority, a URL, or a bare host with `port` None: the DNS
         responder's question), DNS once, address stage. A host
         whose rules need inspection passes only when the caller is `inspecting`. `decision`:
         the name stage already taken by the caller on this very policy. Raises Refused (403
-        for denials, 502 for DNS failures)."""
+        for denials, 502 for DNS failures).
+
+        One decision, one line: a denial is written at the stage that denied it, with what was
+        known by then (the rule that admitted the name, the addresses); an allow is written
+        here, at the address stage, when `final`, else by the caller's own last stage
+        (`allowed(..., vetted=...)`, the SNI gate of a tunnel)."""
         policy = self.policy  # one policy for the whole decision, even across a reload
         if decision is None:
             decision = self.decide(target, policy)
-        self.record(decision, peer, protocol, **context)
         if not decision.allowed:
+            self.record(decision, peer, protocol, **context)
             raise Refused(403, decision.reason, decision.message)
+        named = {"rule": decision.rule, "ceiling": decision.ceiling, **context}
         if decision.needs_inspection and not inspecting:
             refused = Refused(
                 403, INSPECTION_UNSUPPORTED, "this host's rules need TLS inspection, not loaded"
             )
-            self.refusal(refused, peer, decision.host, port, protocol, stage="name", **context)
+            self.refusal(refused, peer, decision.host, port, protocol, stage="name", **named)
             raise refused
         host = decision.host
         literal = parse_ip_literal(host)
@@ -266,7 +304,7 @@ class Vetter:
                     # Every DNS failure, a timeout included, is a 502 (DESIGN 3.6); 504 is kept
                     # for an upstream that does not answer the connect.
                     refused = Refused(502, exc.reason, exc.message, error=True)
-                    self.refusal(refused, peer, host, port, protocol, stage="dns", **context)
+                    self.refusal(refused, peer, host, port, protocol, stage="dns", **named)
                     raise refused from None
                 # An answer with no address is an answer: the address stage refuses it
                 # (`no_addresses`, 403), as `explain --resolve HOST=` does.
@@ -278,10 +316,13 @@ class Vetter:
             else:
                 addresses, cname_chain = tuple(answer.addresses), tuple(answer.cname_chain)
         checked = self._check_addresses(policy, host, addresses, cname_chain)
-        self.record(checked, peer, protocol, port=port, rule=decision.rule, **context)
         if not checked.allowed or not checked.pinned:
+            self.record(checked, peer, protocol, port=port, **named)
             raise Refused(403, checked.reason or d.NO_ADDRESSES, checked.message)
-        return Vetted(decision, tuple(checked.pinned))
+        vetted = Vetted(decision, checked, tuple(checked.pinned))
+        if final:
+            self.allowed(peer, protocol, stage="address", vetted=vetted, port=port, **context)
+        return vetted
 
     def still_allowed(self, target: str, pinned: Sequence[str], inspected: bool) -> bool:
         """After a reload: whether a live connection's destination is still allowed (name
