@@ -19,7 +19,15 @@ from policy.findings import Finding, describe_type, quote, unknown_key_message
 from policy.hostnames import check_entry, parse_ip_literal
 from policy.urls import split_authority
 from proxy.errors import ProxyError
-from proxy.settings import DEFAULT_CA_DIR, Config, Limits, Nameserver
+from proxy.settings import (
+    ALL,
+    DEFAULT_CA_DIR,
+    INSPECTION_MODES,
+    PREFIXES,
+    Config,
+    Limits,
+    Nameserver,
+)
 
 _DURATION = re.compile(r"(?:(\d{1,6})h)?(?:(\d{1,6})m)?(?:(\d{1,6})s)?")
 # Far beyond any sane timeout, and small enough that no event loop or socket call overflows.
@@ -30,7 +38,7 @@ _SCHEMA: dict[str, tuple[str, ...] | None] = {
     "addresses": ("allow", "deny", "in_cluster"),
     "platform_destinations": None,
     "ports": None,
-    "inspection": ("enabled", "ca_dir", "upstream_ca"),
+    "inspection": ("enabled", "ca_dir", "upstream_ca", "mode"),
     "limits": ("connect_timeout", "idle_timeout", "header_timeout", "max_connections"),
     "internal_suffixes": None,
 }
@@ -206,6 +214,7 @@ def load_config(data: bytes | str, *, source: str = "<config>") -> Config:
     upstream_ca = None
     if inspection.get("upstream_ca") is not None:
         upstream_ca = r.convert("inspection.upstream_ca", inspection["upstream_ca"], _text, None)
+    inspection_mode = _inspection_mode(r, inspection, enabled)
 
     lim = r.section(document, "limits")
     defaults = Limits()
@@ -254,7 +263,39 @@ def load_config(data: bytes | str, *, source: str = "<config>") -> Config:
         inspection_enabled=enabled,
         internal_suffixes=tuple(suffixes),
     )
-    return Config(operator, nameservers, dns_timeout, ca_dir, upstream_ca, limits, source)
+    return Config(
+        operator,
+        nameservers,
+        dns_timeout,
+        ca_dir,
+        upstream_ca,
+        limits,
+        source,
+        inspection_mode=inspection_mode,
+    )
+
+
+def _inspection_mode(r: _Reader, inspection: dict[str, Any], enabled: bool) -> str:
+    """`inspection.mode`: `prefixes` (the default: only hosts whose rules decide paths are
+    intercepted) or `all` (every allowed TLS connection), which needs inspection enabled."""
+    value = inspection.get("mode", PREFIXES)
+    if value not in INSPECTION_MODES:
+        r.problem(
+            "inspection.mode",
+            value,
+            "invalid_value",
+            f"{quote(value)} is not an inspection mode; write one of "
+            + ", ".join(repr(mode) for mode in INSPECTION_MODES),
+        )
+        return PREFIXES
+    if value == ALL and not enabled:
+        r.problem(
+            "inspection.mode",
+            value,
+            "invalid_value",
+            "'all' intercepts every TLS connection, which needs inspection.enabled: true",
+        )
+    return str(value)
 
 
 def _cidrs(r: _Reader, value: Any, path: str) -> tuple[IPNetwork, ...]:
