@@ -29,6 +29,9 @@ HEADER_TIMEOUT = "header_timeout"
 POLICY_RELOAD = "policy_reload"
 NO_ORIGINAL_DESTINATION = "no_original_destination"
 PROXY_LOOP = "proxy_loop"  # a destination that is one of the proxy's own listeners
+# An upgrade to anything but WebSocket (h2c, TLS/1.0, ...), which would take the connection out
+# of per-request decisions (plain HTTP and inside interception alike).
+UPGRADE_REFUSED = "upgrade_refused"
 INTERNAL_ERROR = d.INTERNAL_ERROR
 
 DENIED_HEADER = "X-Egress-Denied"

@@ -5,14 +5,14 @@
                admin=("127.0.0.1", 9901))
 
 Start-up order: read and compile everything (a PolicyError here is reported by the CLI with the
-same exit codes as `check`), open the audit log; when the policy has URL-prefix rules or there
-are DNS listeners (`dns_listen`), load the L7 engine and its inspection CA (created on first
-start); bind the admin listener, start the engine's DNS listeners (mitmproxy's DNS mode, UDP and
-TCP: proxy/dns_mode.py), bind the front door's listeners (proxy/frontdoor.py: the fast path,
-which hands everything else to the engine, loaded then if not yet; explicit and transparent
-listeners side by side), then mark the proxy ready. A CA problem exits before anything
-listens; a bind failure stops whatever was already started and exits 2. With `--engine-only`
-the engine is loaded at start and listens itself (no fast path).
+same exit codes as `check`), open the audit log; when the session can need TLS interception
+(`proxy.decide.interception.engine_needed`: inspection enabled, and URL-prefix rules or
+`inspection.mode: all`), load the interception engine and its CA (created on first start), and
+otherwise never import mitmproxy; bind the admin listener, then the front door's listeners
+(proxy/dataplane/frontdoor.py: every connection is the front door's; only the TLS connections
+it intercepts are handed to the engine, loaded then if not yet), then mark the proxy ready. A CA
+problem exits before anything listens; a bind failure stops whatever was already started and
+exits 2.
 
 Signals (handled on the event loop):
 - SIGTERM / SIGINT: `/readyz` turns 503 at once (draining), the proxy listener stops accepting,
@@ -25,9 +25,9 @@ Signals (handled on the event loop):
   client connections (CONNECT tunnels, keep-alive plain HTTP) with a destination it denies are
   closed (`FrontDoor.set_policy`, `Engine.set_policy`; their close lines say
   `policy_reload`). `limits` apply from start-up only; a changed DNS configuration takes effect
-  with a new resolver. Turning
-  inspection on, or changing its CA directory or upstream bundle, needs a restart (the reload
-  fails and says so); turning it off closes the intercepted connections.
+  with a new resolver. Turning inspection on, changing `inspection.mode`, its CA directory or
+  its upstream bundle needs a restart (the reload fails and says so); turning it off closes the
+  intercepted connections.
 """
 
 from __future__ import annotations
@@ -40,11 +40,12 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from importlib import metadata
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from policy import Policy, PolicyError
 from proxy.app.inputs import Compiled, Inputs, compile_inputs
 from proxy.dataplane.frontdoor import FrontDoor
+from proxy.decide.interception import engine_needed
 from proxy.decide.vetting import Vetter
 from proxy.errors import ProxyError
 from proxy.net.resolver import Resolver
@@ -82,11 +83,9 @@ class Runtime:
         session_id: str | None = None,
         audit_log: str | None = None,
         err: TextIO | None = None,
-        engine_only: bool = False,
         dns_listen: Sequence[Listener] = (),
     ) -> None:
         self.inputs = inputs
-        self.engine_only = engine_only
         self.compiled = compiled
         self.listen = listen
         self.dns_listen = dns_listen
@@ -106,7 +105,7 @@ class Runtime:
         self._stop = asyncio.Event()
         self._hurry = asyncio.Event()
         self._reload_lock = asyncio.Lock()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
 
     # -- output --------------------------------------------------------------------------------
 
@@ -153,30 +152,26 @@ class Runtime:
             ) from None
         self.resolver = resolver
         try:
+            if self.dns_listen:
+                # proxy/dns/server.py serves these; the engine no longer does.
+                raise ProxyError("usage", "--dns-listen is not served by this build")
             ca = None
-            if self.engine_only or self.compiled.policy.has_url_rules or self.dns_listen:
-                # The policy can need the engine (per-request paths, inspection), or the engine
-                # serves the DNS listeners: load it now, with its CA, so any problem stops
-                # start-up before anything listens.
+            if engine_needed(self.compiled.policy, config):
+                # Load it now, with its CA, so any problem stops start-up before anything
+                # listens.
                 ca = self._new_engine().prepare()
             self.admin = AdminServer(self.readiness, self.metrics.render)
             admin_host, admin_port = await self.admin.start(*self.admin_address)
-            if self.engine_only:
-                listeners = await self._start_engine(listeners=[*self.listen, *self.dns_listen])
-            else:
-                dns_bound: tuple[Listener, ...] = ()
-                if self.engine is not None:
-                    # Bound before the front door: the engine's DNS listeners (UDP and TCP),
-                    # or none.
-                    dns_bound = await self._start_engine(listeners=self.dns_listen)
-                self.front = FrontDoor(
-                    Vetter(self.compiled.policy, resolver, self.metrics, self.audit, plane="l4"),
-                    config,
-                    self.metrics,
-                    self.audit,
-                    engine=self.engine_for_handoff,
-                )
-                listeners = (*await self.front.start(self.listen), *dns_bound)
+            if self.engine is not None:
+                await self.engine_for_intercept()
+            self.front = FrontDoor(
+                Vetter(self.compiled.policy, resolver, self.metrics, self.audit, plane="l4"),
+                config,
+                self.metrics,
+                self.audit,
+                engine=self.engine_for_intercept,
+            )
+            listeners = await self.front.start(self.listen)
             # Every listener, the DNS ones included, is bound from here.
             self.readiness.set("listeners_bound", True)
             # Set here because nothing in this process can verify the sandbox boundary (that the
@@ -206,34 +201,21 @@ class Runtime:
 
         assert self.resolver is not None
         self.engine = Engine(
-            self.compiled.policy,
-            self.resolver,
-            self.compiled.config,
-            self.metrics,
-            self.audit,
-            self.session_id,
-            fronted=not self.engine_only,
+            self.compiled.policy, self.resolver, self.compiled.config, self.metrics, self.audit
         )
         return self.engine
 
-    async def _start_engine(self, listeners: Sequence[Listener]) -> tuple[Listener, ...]:
-        engine = self.engine if self.engine is not None else self._new_engine()
-        try:
-            await engine.start(listeners=listeners)
-        except ProxyError as exc:
-            # mitmproxy's message carries a hint about its own --mode option: keep line one.
-            first = exc.message.splitlines()[0] if exc.message else str(exc)
-            raise ProxyError(exc.reason, first) from None
-        self.metrics.engine_loaded(True)
-        return engine.listeners
-
-    async def engine_for_handoff(self) -> Engine:
-        """The running engine, started on first use (one start even for concurrent callers)."""
+    async def engine_for_intercept(self) -> Engine:
+        """The running engine, started on first use (one start even for concurrent callers;
+        the CA is prepared then if it was not at start)."""
         async with self._engine_lock:
-            if self.engine is None or self.engine.master is None:
-                await self._start_engine(listeners=[])  # prepares the engine's CA too
-            assert self.engine is not None
-            return self.engine
+            engine = self.engine if self.engine is not None else self._new_engine()
+            if engine.master is None:
+                # A reload's policy may need the engine a start-up one did not.
+                engine.set_policy(self.compiled.policy)
+                await engine.start()
+                self.metrics.engine_loaded(True)
+            return engine
 
     def _install_signals(self) -> None:
         loop = asyncio.get_running_loop()
@@ -255,33 +237,17 @@ class Runtime:
     async def _drain(self) -> None:
         timeout = min(MAX_DRAIN_SECONDS, self.compiled.config.limits.idle_timeout)
         front = self.front
-        if front is not None:
-            # Every connection, handed to the engine or not, is a task of the front door.
-            if front.live:
-                self.say(f"draining {front.live} live connection(s) for up to {timeout:g}s")
-            drained = asyncio.ensure_future(front.drain(timeout))
-            hurry = asyncio.ensure_future(self._hurry.wait())
-            await asyncio.wait({drained, hurry}, return_when=asyncio.FIRST_COMPLETED)
-            hurry.cancel()
-            if not drained.done():
-                drained.cancel()
+        if front is None:
             return
-        engine = self.engine
-        server = engine.master.addons.get("proxyserver") if engine and engine.master else None
-        if server is None:
-            return
-        with contextlib.suppress(Exception):
-            await server.servers.update([])  # stop accepting; live connections go on
-        if server.connections:
-            self.say(
-                f"draining {len(server.connections)} live connection(s) for up to {timeout:g}s"
-            )
-        deadline = asyncio.get_running_loop().time() + timeout
-        while server.connections and not self._hurry.is_set():
-            if asyncio.get_running_loop().time() >= deadline:
-                self.say(f"drain timeout: closing {len(server.connections)} live connection(s)")
-                break
-            await asyncio.sleep(0.05)
+        # Every connection, intercepted or not, is the front door's, and counts as live there.
+        if front.live:
+            self.say(f"draining {front.live} live connection(s) for up to {timeout:g}s")
+        drained = asyncio.ensure_future(front.drain(timeout))
+        hurry = asyncio.ensure_future(self._hurry.wait())
+        await asyncio.wait({drained, hurry}, return_when=asyncio.FIRST_COMPLETED)
+        hurry.cancel()
+        if not drained.done():
+            drained.cancel()
 
     async def _shutdown(self) -> None:
         for task in list(self._tasks):
@@ -320,7 +286,7 @@ class Runtime:
                     f"{type(exc).__name__}: {str(exc)[:200]}), keeping the previous policy"
                 )
                 return False
-            if (self.engine is None and self.front is None) or self._stop.is_set():
+            if self.front is None or self._stop.is_set():
                 return False
             old = self.compiled.config
             new = compiled.config
@@ -340,7 +306,7 @@ class Runtime:
                 if self.front is not None:
                     self.front.vetter.resolver = resolver
                 if self.engine is not None:
-                    self.engine.addon.resolver = resolver
+                    self.engine.set_resolver(resolver)
             closed: list[str] = []
             if self.front is not None:
                 closed += self.front.set_policy(compiled.policy)
@@ -381,11 +347,17 @@ def _try_it(listener: Listener) -> str:
 
 
 def _needs_restart(old: Config, new: Config) -> str | None:
-    """What a reload cannot change in a running engine (mitmproxy's TLS set-up is made once)."""
+    """What a reload cannot change in a running engine (mitmproxy's TLS set-up is made once,
+    and whether the engine is loaded at all is decided at start)."""
     if old.operator.inspection_enabled != new.operator.inspection_enabled and (
         new.operator.inspection_enabled
     ):
         return "inspection.enabled turned on needs a restart (the CA is loaded at start)"
+    if old.inspection_mode != new.inspection_mode:
+        return (
+            f"inspection.mode changed from {old.inspection_mode!r} to {new.inspection_mode!r}: "
+            "that needs a restart (which connections are intercepted is set at start)"
+        )
     if new.operator.inspection_enabled and (old.ca_dir, old.upstream_ca) != (
         new.ca_dir,
         new.upstream_ca,
@@ -403,7 +375,6 @@ def run(
     session_id: str | None = None,
     audit_log: str | None = None,
     err: TextIO | None = None,
-    engine_only: bool = False,
     dns_listen: Sequence[Listener] = (),
 ) -> int:
     """Serve until SIGTERM/SIGINT; 0 after a clean drain. Raises ProxyError on bind failures.
@@ -419,7 +390,6 @@ def run(
             session_id=session_id,
             audit_log=audit_log,
             err=err,
-            engine_only=engine_only,
             dns_listen=dns_listen,
         )
         if loop_note is not None:

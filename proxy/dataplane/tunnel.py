@@ -2,7 +2,7 @@
 DNS once and the address stage on a name already decided, the loop guard, the dial of the
 checked addresses, the SNI gate on the ClientHello, and the relay with its close line.
 
-    dialled = await dial(connection, target, host, port, decision)   # raises Refused
+    dialled = await dial(connection, target, port, decision)         # raises Refused
     outcome = await client_hello(connection, dialled.name)            # the SNI gate
     relay(connection, dialled)                # the hello and all after it, first
 """
@@ -30,22 +30,25 @@ class Dialled:
     upstream: Upstream
 
 
-async def dial(
+async def vet(
     connection: Connection,
     target: str,
     port: int,
     decision: Decision,
+    *,
+    inspecting: bool = False,
     **context: Any,
-) -> Dialled:
-    """DNS once, address stage, loop guard and the dial of the checked addresses for a name
-    stage already taken (`decision`). Raises Refused after its audit line is written; the
-    connection learns the destination as it goes (for reloads and its close line)."""
+) -> str:
+    """DNS once, address stage and loop guard for a name stage already taken (`decision`):
+    returns the host as decided, its checked addresses in `connection.pinned`. Raises Refused
+    after its audit line is written; the connection learns the destination as it goes (for
+    reloads and its close line). `inspecting`: the connection goes to the interception engine."""
     door = connection.door
     vetter = door.vetter
     peer, protocol = connection.peer, connection.protocol
     connection.target = target
     vetted = await vetter.vet(
-        target, port, peer, protocol, inspecting=False, decision=decision, **context
+        target, port, peer, protocol, inspecting=inspecting, decision=decision, **context
     )
     name = vetted.decision.host
     connection.host, connection.port, connection.pinned = name, port, vetted.pinned
@@ -53,10 +56,26 @@ async def dial(
         refused = Refused(403, PROXY_LOOP, f"{authority(name, port)} is this proxy's own listener")
         vetter.refusal(refused, peer, name, port, protocol, stage="address", **context)
         raise refused
+    return name
+
+
+async def dial(
+    connection: Connection,
+    target: str,
+    port: int,
+    decision: Decision,
+    **context: Any,
+) -> Dialled:
+    """`vet`, then the dial of the checked addresses. Raises Refused after its audit line is
+    written."""
+    door = connection.door
+    vetter = door.vetter
+    peer, protocol = connection.peer, connection.protocol
+    name = await vet(connection, target, port, decision, **context)
     try:
         transport, upstream = await dial_checked(
             name,
-            vetted.pinned,
+            connection.pinned,
             port,
             connect_upstream,
             timeout=door.config.limits.connect_timeout,
