@@ -20,10 +20,10 @@ from dns_server import DNSServer
 from mitmproxy import dns as mitm_dns
 from mitmproxy.connection import Client, Server
 from mitmproxy.proxy import mode_specs
+from proxy.l7.dns_mode import EgressDnsAddon
 from running import LOOPBACK, RunningProxy, metric_value, wait_for
 
 from proxy.cli import main
-from proxy.l7.dns_mode import EgressDnsAddon
 
 MANIFEST = "network:\n  egress: [ok.test, priv.test, gone.test, other.test]\n"
 CEILING = "egress: [ok.test, priv.test, gone.test, other.test]\n"

@@ -27,12 +27,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("proxy.__main__", "proxy.probes"),  # entry points
 )
 ONLY_MITMPROXY = "proxy.l7"
-# Imports that break the rules today, each to go with the work that removes it (mitmproxy's DNS
-# mode gives way to our own DNS server). A test below fails once an entry no longer exists.
-KNOWN_VIOLATIONS = {
-    ("proxy.l7.dns_mode", "proxy.dns.answers"),
-    ("proxy.l7.engine", "proxy.dns.answers"),
-}
+# Imports that break the rules today, each to go with the work that removes it (none left). A
+# test below fails once an entry no longer exists.
+KNOWN_VIOLATIONS: set[tuple[str, str]] = set()
 
 
 def module_name(path: Path) -> str:

@@ -52,7 +52,7 @@ def free_port() -> int:
 
 
 def socks_port(proxy: Running) -> int:
-    (socks,) = [x for x in proxy.engine.listeners if x.scheme == "socks5"]
+    (socks,) = [x for x in proxy.listeners if x.scheme == "socks5"]
     return socks.port
 
 
