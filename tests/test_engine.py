@@ -802,3 +802,19 @@ async def test_an_engine_that_cannot_load_refuses_the_connection(dns: DNSServer)
     assert (refusal["plane"], refusal["stage"], refusal["host"]) == ("l4", "engine", "up.test")
     (close,) = [x for x in lines if x["event"] == "close"]
     assert close["reason"] == "ca_error"
+
+
+def test_a_hook_for_a_connection_never_handed_over_denies() -> None:
+    # Every connection of this engine comes through Door.intercept; anything else is refused
+    # (fail closed), with the hook's own answer.
+    from mitmproxy.test import tflow
+
+    from proxy.l7.addons import RequestGate
+    from proxy.l7.state import Ledger
+
+    gate = RequestGate(Vetter(ExplodingPolicy(), None, plane="l7"), Ledger())  # type: ignore[arg-type]
+    flow = tflow.tflow()
+    asyncio.run(gate.requestheaders(flow))
+    assert flow.response is not None and flow.response.status_code == 403
+    assert flow.response.headers[DENIED_HEADER] == "internal_error"
+    assert b"proxy denied: internal_error" in (flow.response.content or b"")

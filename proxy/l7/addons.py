@@ -117,7 +117,9 @@ def answer(flow: http.HTTPFlow, response: http.Response) -> None:
     request = flow.request
     length = request.headers.get("content-length", "")
     chunked = "chunked" in request.headers.get("transfer-encoding", "").lower()
-    large = chunked or (bool(length) and (not length.isdigit() or int(length) > STREAM_THRESHOLD))
+    # Only ASCII digits of a sane length are a length; anything else may be streamed, so large.
+    readable = length.isascii() and length.isdigit() and len(length) <= 18
+    large = chunked or (bool(length) and (not readable or int(length) > STREAM_THRESHOLD))
     if request.stream or large:
         flow.kill()
     else:
@@ -160,12 +162,18 @@ class _Hooks:
             logger.exception("egress: denying after the %s hook failed failed too", hook)
             if connection is not None:
                 connection.end(INTERNAL_ERROR)
+            elif callable(getattr(argument, "kill", None)):
+                argument.kill()  # a flow of no connection of ours: it goes nowhere
 
 
 def _deny_request(addon: _Hooks, flow: http.HTTPFlow) -> None:
-    destination = addon.connection(flow.client_conn).destination
-    refused = Refused(403, INTERNAL_ERROR, "internal error")
-    answer(flow, denial(refused, destination.host, destination.port))
+    connection = addon.ledger.get(flow.client_conn.id)
+    host, port = (
+        (connection.destination.host, connection.destination.port)
+        if connection
+        else ("proxy", None)
+    )
+    answer(flow, denial(Refused(403, INTERNAL_ERROR, "internal error"), host, port))
 
 
 def _kill(addon: _Hooks, flow: http.HTTPFlow | tcp.TCPFlow) -> None:
