@@ -36,6 +36,9 @@ NOT_SOCKS5 = "not_socks5"
 SOCKS_NO_METHOD = "socks_no_acceptable_method"
 SOCKS_COMMAND = "socks_command_unsupported"
 SOCKS_ADDRESS_TYPE = "socks_address_type_unsupported"
+# An upgrade to anything but WebSocket (h2c, TLS/1.0, ...), which would take the connection out
+# of per-request decisions (plain HTTP and inside interception alike).
+UPGRADE_REFUSED = "upgrade_refused"
 INTERNAL_ERROR = d.INTERNAL_ERROR
 
 DENIED_HEADER = "X-Egress-Denied"

@@ -9,6 +9,13 @@ from policy import OperatorRules
 
 DEFAULT_CA_DIR = "~/.local/share/egress-proxy/ca"
 
+# `inspection.mode`: which allowed TLS connections the interception engine serves. PREFIXES:
+# only hosts whose rules decide paths (URL prefixes); ALL: every one, so that the name inside
+# (Host, later :authority) is checked against the SNI and ECH or domain fronting cannot hide it.
+PREFIXES = "prefixes"
+ALL = "all"
+INSPECTION_MODES = (PREFIXES, ALL)
+
 
 @dataclass(frozen=True, slots=True)
 class Nameserver:
@@ -35,3 +42,4 @@ class Config:
     upstream_ca: str | None = None
     limits: Limits = field(default_factory=Limits)
     source: str | None = None
+    inspection_mode: str = PREFIXES  # one of INSPECTION_MODES

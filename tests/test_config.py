@@ -399,6 +399,24 @@ def test_inspection() -> None:
     assert problems({"inspection": {"ca_dir": 5}})["inspection.ca_dir"].reason == "invalid_value"
 
 
+def test_inspection_mode() -> None:
+    assert load({}).inspection_mode == "prefixes"  # the default: today's behaviour
+    assert load({"inspection": {"mode": "all"}}).inspection_mode == "all"
+    assert load({"inspection": {"mode": "prefixes"}}).inspection_mode == "prefixes"
+
+
+@pytest.mark.parametrize("value", ["All", "every", "", None, 1, True, ["all"], {"all": 1}])
+def test_an_unknown_inspection_mode_is_refused_naming_the_choices(value: object) -> None:
+    found = problems({"inspection": {"mode": value}})["inspection.mode"]
+    assert found.reason == "invalid_value"
+    assert "'prefixes', 'all'" in found.message
+
+
+def test_inspection_mode_all_needs_inspection_enabled() -> None:
+    found = problems({"inspection": {"mode": "all", "enabled": False}})["inspection.mode"]
+    assert "needs inspection.enabled: true" in found.message
+
+
 def test_limits() -> None:
     config = load(
         {

@@ -4,7 +4,7 @@ limits (header, idle, connect timeouts, max_connections), reload and drain, and 
 everything else to the L7 engine on the same socket.
 
 In process: a FrontDoor with its own Vetter (plane l4), the test DNS server, Metrics and an audit
-log to a StringIO; its `engine` starts a real fronted Engine on first use (never before), so a
+log to a StringIO; its `engine` starts a real Engine on first use (never before), so a
 test that does not need the engine never starts it. What is checked is what a user sees: the
 status and headers of the answer, the bytes through the tunnel, the audit lines and the metrics.
 """
@@ -45,6 +45,7 @@ from policy import compile_policy, load_manifest
 from proxy.app.config import Config, load_config
 from proxy.dataplane.frontdoor import FrontDoor
 from proxy.dataplane.heads import MAX_CONNECT_HEAD
+from proxy.decide.interception import engine_needed
 from proxy.decide.vetting import Vetter
 from proxy.l7.engine import Engine
 from proxy.net.resolver import Resolver
@@ -136,14 +137,14 @@ async def opened(
     async def engine() -> Engine:
         async with lock:
             if not engines:
-                started = Engine(
-                    policy, resolver, config, metrics, audit, "test-session", fronted=True
-                )
-                await started.start(listeners=[])
+                started = Engine(policy, resolver, config, metrics, audit)
+                await started.start()
                 metrics.engine_loaded(True)
                 engines.append(started)
             return engines[0]
 
+    if engine_needed(policy, config):
+        await engine()  # as the runtime does: loaded at start when the session can need it
     vetter = Vetter(policy, resolver, metrics, audit, plane="l4")
     door = FrontDoor(vetter, config, metrics, audit, engine=engine)
     try:
@@ -689,37 +690,19 @@ async def test_idle_timeout_closes_an_idle_tunnel(dns: DNSServer) -> None:
 # -- hand-off to the engine ---------------------------------------------------------------------
 
 
-@pytest.mark.asyncio
-async def test_plain_http_on_the_same_port_is_served_by_the_engine(dns: DNSServer) -> None:
-    async with serving(Upstream()) as upstream, opened(dns) as door:
-        assert door.engines == []
-        url = f"http://up.test:{upstream.port}/"
-        # Two requests on one kept-alive client connection: the first head is read by the
-        # front door, the rest of the connection belongs to the engine.
-        status, _, body = await curl(door, url + "a", url + "b")
-        assert (status, body) == (200, BODY * 2)
-        assert [r[0] for r in upstream.requests] == ["GET /a HTTP/1.1", "GET /b HTTP/1.1"]
-        assert len(door.engines) == 1
-        status, headers, _ = await curl(door, "http://denied.test/")
-        assert status == 403 and headers["x-egress-denied"] == "not_allowed"
-        await door.wait_closes(2)
-        assert len(door.engines) == 1  # started once
-    lines = door.lines()
-    assert {(x["plane"], x["protocol"]) for x in lines} == {("l7", "http")}
-    names = [(x["decision"], x["path"]) for x in lines if x.get("stage") == "name"]
-    assert names == [("allow", "/a"), ("allow", "/b"), ("deny", "/")]
-    assert door.metric("egress_connections_total", plane="l7", protocol="http") == 2
-    assert door.metric("egress_connections_total", plane="l4") is None
-    assert door.metric("egress_engine_loaded") == 1
+def trusted_ca(directory: Path) -> tuple[trustme.CA, Path]:
+    """A CA for test upstreams, and the file the proxy is told to trust it with."""
+    ca = trustme.CA()
+    bundle = directory / "upstream-ca.pem"
+    ca.cert_pem.write_to_path(str(bundle))
+    return ca, bundle
 
 
 @pytest.mark.asyncio
 async def test_connect_that_needs_inspection_is_handed_to_the_engine(
     dns: DNSServer, tmp_path: Path
 ) -> None:
-    upstream_ca = trustme.CA()
-    bundle = tmp_path / "upstream-ca.pem"
-    upstream_ca.cert_pem.write_to_path(str(bundle))
+    upstream_ca, bundle = trusted_ca(tmp_path)
     dns.set("paths.test", a=["127.0.0.1"])
     context = tls_context(upstream_ca, "paths.test", "tls.test")
     async with serving(Upstream(), context) as upstream:
@@ -736,7 +719,6 @@ async def test_connect_that_needs_inspection_is_handed_to_the_engine(
                 door, f"https://tls.test:{port}/any", "--cacert", str(bundle)
             )
             assert (status, body) == (200, BODY)
-            assert door.engines == []
             # ...a host with path rules is intercepted by the engine: the client trusts the
             # proxy's CA, and each request inside is decided on its path.
             base = f"https://paths.test:{port}"
@@ -901,17 +883,30 @@ async def closed_soon(reader: asyncio.StreamReader, timeout: float) -> bool:
 
 
 @pytest.mark.asyncio
-async def test_drain_also_closes_connections_handed_to_the_engine(dns: DNSServer) -> None:
-    async with serving(Upstream()) as upstream, opened(dns) as door:
-        reader, writer = await asyncio.open_connection("127.0.0.1", door.port)
-        authority = f"up.test:{upstream.port}"
-        writer.write(f"GET http://{authority}/ HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
-        assert (await asyncio.wait_for(reader.readuntil(BODY), 5)).startswith(b"HTTP/1.1 200")
-        await asyncio.wait_for(door.door.drain(0.3), 5)  # the client keeps it alive, idle
-        closed = await closed_soon(reader, 1.0)
-        writer.close()
-        assert closed
-        await door.wait_closes(1, timeout=1.0)
+async def test_drain_also_closes_connections_handed_to_the_engine(
+    dns: DNSServer, tmp_path: Path
+) -> None:
+    upstream_ca, bundle = trusted_ca(tmp_path)
+    async with serving(Upstream(), tls_context(upstream_ca, "up.test")) as upstream:
+        # inspection.mode: all: every TLS connection is the engine's once its SNI passed.
+        extra = f"inspection:\n  ca_dir: {tmp_path / 'ca'}\n  upstream_ca: {bundle}\n  mode: all\n"
+        async with opened(dns, extra) as door:
+            authority = f"up.test:{upstream.port}"
+            status, _, reader, writer = await connect(door, authority)
+            assert status == 200
+            client_tls = ssl.create_default_context(
+                cafile=str(tmp_path / "ca" / "mitmproxy-ca-cert.pem")
+            )
+            await writer.start_tls(client_tls, server_hostname="up.test")
+            writer.write(f"GET / HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
+            assert (await asyncio.wait_for(reader.readuntil(BODY), 5)).startswith(b"HTTP/1.1 200")
+            await door.wait_live(1)  # the intercepted connection counts as live
+            await asyncio.wait_for(door.door.drain(0.3), 10)  # the client keeps it alive, idle
+            closed = await closed_soon(reader, 1.0)
+            writer.close()
+            assert closed
+            (close,) = await door.wait_closes(1, timeout=1.0)
+    assert (close["plane"], close["reason"]) == ("l7", "shutdown")
 
 
 class _Records(logging.Handler):

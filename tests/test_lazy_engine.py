@@ -1,14 +1,16 @@
-"""mitmproxy is loaded only when the session needs it (issue 4), proved on the real
-`egress-proxy run` process: started under `python -X importtime`, whose stderr lists every module
-as its import finishes, so what the process imported so far can be read at any moment.
+"""mitmproxy is loaded only when the session can need TLS interception (issues 4 and 12), proved
+on the real `egress-proxy run` process: started under `python -X importtime`, whose stderr lists
+every module as its import finishes, so what the process imported so far can be read at any
+moment.
 
-- A plain agent.yaml session serves CONNECT tunnels (allowed and denied) on the fast path without
-  importing any mitmproxy module (`egress_engine_loaded 0`); its first plain-HTTP request loads
-  the engine (`egress_engine_loaded 1`) and is served.
-- A manifest with URL-prefix rules loads the engine at start, before any connection.
+- A plain agent.yaml session serves CONNECT tunnels (allowed and denied) on the front door
+  without importing any mitmproxy module (`egress_engine_loaded 0`), nor making a CA.
+- A manifest with URL-prefix rules loads the engine (and its CA) at start, before any connection;
+  with inspection disabled it never does (such hosts are refused instead).
+- `inspection.mode: all` loads it at start without any URL-prefix rule, and every allowed TLS
+  connection is then intercepted (plane l7).
 - A session with a SOCKS5 listener serves SOCKS5 tunnels (allowed and denied) in the front
   door too: mitmproxy is never imported.
-- `--engine-only` serves CONNECT with the engine itself (audit plane l7).
 - `--dns-listen` is served by our own DNS server: a session that answered DNS over UDP and TCP
   (and served a tunnel) has never imported mitmproxy.
 """
@@ -26,12 +28,9 @@ from dns import query as dnsquery
 from dns_server import DNSServer
 from running import (
     CURL,
-    HELLO,
     LOOPBACK,
-    HTTPUpstream,
     RunningProxy,
     curl,
-    http_upstream,
     imported_modules,
     metric_value,
     wait_for,
@@ -57,12 +56,6 @@ def upstream(tmp_path: Path) -> Iterator[TLSUpstream]:
         yield server
 
 
-@pytest.fixture
-def web() -> Iterator[HTTPUpstream]:
-    with http_upstream() as server:
-        yield server
-
-
 def mitmproxy_modules(proxy: RunningProxy) -> list[str]:
     return [m for m in imported_modules(proxy.stderr()) if m.split(".")[0] == "mitmproxy"]
 
@@ -85,7 +78,7 @@ def allowed_and_denied_tunnels(proxy: RunningProxy, upstream: TLSUpstream) -> No
 
 
 def test_a_passthrough_session_never_imports_mitmproxy(
-    tmp_path: Path, dns: DNSServer, upstream: TLSUpstream, web: HTTPUpstream
+    tmp_path: Path, dns: DNSServer, upstream: TLSUpstream
 ) -> None:
     with RunningProxy(
         tmp_path / "run",
@@ -105,18 +98,6 @@ def test_a_passthrough_session_never_imports_mitmproxy(
             ("l4", "tls.test"),
             ("l4", "denied.test"),
         }
-
-        # The first plain-HTTP request needs the engine: loaded now, and served.
-        served = curl(proxy.port, f"http://up.test:{web.port}/plain")
-        assert (served.status, served.body) == (200, HELLO.decode()), served.stderr
-        assert web.requests == ["/plain"]
-        modules = mitmproxy_modules(proxy)
-        assert "mitmproxy" in modules and "mitmproxy.master" in modules
-        assert engine_loaded(proxy) == 1
-        wait_for(lambda: len(proxy.closes()) == 3, what="the plain-HTTP close line")
-        plain = [x for x in proxy.audit() if x["host"] == "up.test"]
-        assert plain and {x["plane"] for x in plain} == {"l7"}
-        assert [x["reason"] for x in plain if x.get("stage") == "name"] == ["allowed"]
     assert proxy.returncode == 0
 
 
@@ -172,27 +153,42 @@ def test_url_prefix_rules_load_the_engine_at_start(tmp_path: Path, dns: DNSServe
     assert proxy.returncode == 0
 
 
-def test_engine_only_serves_connect_on_the_l7_plane(
+def test_url_prefix_rules_with_inspection_disabled_never_load_it(
     tmp_path: Path, dns: DNSServer, upstream: TLSUpstream
 ) -> None:
+    config = f"inspection:\n  enabled: false\n  ca_dir: {tmp_path / 'ca'}\n"
     with RunningProxy(
-        tmp_path / "run",
-        MANIFEST,
-        dns=dns,
-        args=("--engine-only",),
-        config_extra=f"inspection:\n  ca_dir: {tmp_path / 'ca'}\n",
+        tmp_path / "run", PATHS, dns=dns, python_flags=IMPORTTIME, config_extra=config
     ) as proxy:
+        refused = curl(proxy.port, "https://up.test/api/")
+        assert refused.connect_status == 403
+        assert refused.headers["x-egress-denied"] == "inspection_disabled"
+        url = f"https://tls.test:{upstream.port}/"
+        passed = curl(proxy.port, url, "--cacert", str(upstream.ca_file))
+        assert passed.status == 200, passed.stderr
+        assert mitmproxy_modules(proxy) == []
+        assert engine_loaded(proxy) == 0
+        assert not (tmp_path / "ca").exists()
+    assert proxy.returncode == 0
+
+
+def test_inspection_mode_all_loads_the_engine_and_intercepts_every_tunnel(
+    tmp_path: Path, dns: DNSServer, upstream: TLSUpstream
+) -> None:
+    ca = tmp_path / "ca"
+    config = f"inspection:\n  ca_dir: {ca}\n  upstream_ca: {upstream.ca_file}\n  mode: all\n"
+    with RunningProxy(tmp_path / "run", MANIFEST, dns=dns, config_extra=config) as proxy:
         assert engine_loaded(proxy) == 1
-        allowed_and_denied_tunnels(proxy, upstream)
-        lines = proxy.audit()
-        assert {(x["plane"], x["protocol"]) for x in lines} == {("l7", "connect")}
-        gate = next(x for x in lines if x.get("stage") == "sni")
-        assert (gate["decision"], gate["sni"]) == ("allow", "tls.test")
-        close = next(x for x in proxy.closes() if x["host"] == "tls.test")
-        assert close["upstream"] == f"127.0.0.1:{upstream.port}" and close["bytes_down"] > 0
+        url = f"https://tls.test:{upstream.port}/"
+        # The upstream's own certificate no longer reaches the client: the proxy's does.
+        own = curl(proxy.port, url, "--cacert", str(upstream.ca_file))
+        assert own.connect_status == 200 and own.status == 0
+        intercepted = curl(proxy.port, url, "--cacert", str(ca / "mitmproxy-ca-cert.pem"))
+        assert (intercepted.status, intercepted.body) == (200, TLS_BODY.decode())
+        wait_for(lambda: len(proxy.closes()) == 2, what="two close lines")
+        assert {(x["plane"], x["protocol"]) for x in proxy.closes()} == {("l7", "connect")}
         metrics = proxy.metrics()
         assert metric_value(metrics, "egress_connections_total", plane="l7") == 2
-        assert metric_value(metrics, "egress_connections_total", plane="l4") is None
     assert proxy.returncode == 0
 
 

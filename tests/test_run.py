@@ -3,22 +3,26 @@ reload (good and broken), SIGTERM drain, and the fail-closed start-up exits."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import trustme
 from dns_server import DNSServer
 from running import (
     CURL as CURL_BIN,
 )
 from running import (
+    HELLO,
     HTTPUpstream,
     RunningProxy,
     curl,
@@ -265,3 +269,79 @@ def test_run_serves_socks5_beside_http(tmp_path: Path, dns: DNSServer) -> None:
         assert any(
             x["protocol"] == "socks5" and x["reason"] == "not_allowed" for x in proxy.decisions()
         )
+
+
+@contextlib.contextmanager
+def tls_keep_alive_upstream(directory: Path) -> Iterator[tuple[HTTPUpstream, Path]]:
+    """running.http_upstream (keep-alive, answers HELLO) over TLS for tls.test; with the file
+    of the CA that signed it."""
+    ca = trustme.CA()
+    bundle = directory / "upstream-ca.pem"
+    ca.cert_pem.write_to_path(str(bundle))
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("tls.test").configure_cert(context)
+    with http_upstream() as upstream:
+        upstream.server.socket = context.wrap_socket(upstream.server.socket, server_side=True)
+        yield upstream, bundle
+
+
+def intercepted_keep_alive(port: int, host: str, target: int, ca: Path) -> ssl.SSLSocket:
+    """A CONNECT through the proxy, TLS inside it trusting the proxy's CA, and one request
+    answered: an intercepted connection kept alive."""
+    raw = socket.create_connection(("127.0.0.1", port), timeout=5)
+    raw.sendall(f"CONNECT {host}:{target} HTTP/1.1\r\nHost: {host}:{target}\r\n\r\n".encode())
+    assert raw.recv(4096).startswith(b"HTTP/1.1 200")
+    conn = ssl.create_default_context(cafile=str(ca)).wrap_socket(raw, server_hostname=host)
+    assert answered(conn, f"GET /api/x HTTP/1.1\r\nHost: {host}:{target}\r\n\r\n")
+    return conn
+
+
+def answered(conn: ssl.SSLSocket, request: str) -> bool:
+    """Sends `request`; whether a whole 200 with the upstream's body came back."""
+    conn.sendall(request.encode())
+    got = b""
+    while not got.endswith(HELLO):
+        chunk = conn.recv(4096)
+        if not chunk:
+            break
+        got += chunk
+    return got.startswith(b"HTTP/1.1 200") and got.endswith(HELLO)
+
+
+def test_reload_closes_intercepted_connections_and_refuses_a_new_inspection_mode(
+    tmp_path: Path, dns: DNSServer
+) -> None:
+    dns.set("tls.test", a=["127.0.0.1"])
+    with tls_keep_alive_upstream(tmp_path) as (upstream, bundle):
+        manifest = (
+            "schema_version: 1\nnetwork_access:\n"
+            f"  allowed: ['https://tls.test:{upstream.port}/api/', 'up.test']\n"
+        )
+        ca = tmp_path / "ca"
+        extra = f"inspection:\n  ca_dir: {ca}\n  upstream_ca: {bundle}\n"
+        ceiling = "tenant: test\negress: [tls.test, up.test]\n"
+        with RunningProxy(
+            tmp_path / "run", manifest, ceiling=ceiling, dns=dns, config_extra=extra
+        ) as proxy:
+            cert = ca / "mitmproxy-ca-cert.pem"
+            conn = intercepted_keep_alive(proxy.port, "tls.test", upstream.port, cert)
+            again = f"GET /api/y HTTP/1.1\r\nHost: tls.test:{upstream.port}\r\n\r\n"
+            # inspection.mode cannot change while running: refused, the old policy stays.
+            proxy.files.config.write_text(make_config(dns, extra=extra + "  mode: all\n"))
+            proxy.send_signal(signal.SIGHUP)
+            wait_for(lambda: "reload failed" in proxy.stderr())
+            assert "inspection.mode changed from 'prefixes' to 'all'" in proxy.stderr()
+            assert "needs a restart" in proxy.stderr()
+            assert answered(conn, again)
+            # A ceiling without tls.test: the intercepted connection is closed.
+            proxy.files.config.write_text(make_config(dns, extra=extra))
+            proxy.files.ceiling.write_text("tenant: test\negress: [up.test]\n")
+            proxy.send_signal(signal.SIGHUP)
+            wait_for(lambda: "reloaded" in proxy.stderr())
+            assert "1 live connection(s) closed" in proxy.stderr()
+            with conn:
+                assert conn.recv(4096) == b""
+            wait_for(lambda: any(x["reason"] == "policy_reload" for x in proxy.closes()))
+            close = next(x for x in proxy.closes() if x["reason"] == "policy_reload")
+            assert (close["plane"], close["host"]) == ("l7", "tls.test")
+    assert upstream.requests == ["/api/x", "/api/y"]

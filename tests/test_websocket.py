@@ -1,8 +1,10 @@
-"""WebSocket through the L7 engine: an upgrade follows the rules of the request that opens it.
+"""WebSocket through the proxy: an upgrade follows the rules of the request that opens it.
 
-The engine runs in-process on loopback against the test DNS server; the upstream is a wsproto
-echo server of the tests' own and the client is wsproto over a raw connection to the proxy,
-sending its upgrade in absolute form as a client of an explicit HTTP proxy does."""
+The proxy runs in-process on loopback against the test DNS server (tests/test_engine.py's
+harness: the front door, and the interception engine behind it); the upstream is a wsproto echo
+server of the tests' own and the client is wsproto over a raw connection to the proxy: ws://
+as a client of an explicit HTTP proxy sends it (absolute form), and wss:// inside an intercepted
+CONNECT tunnel, where the engine decides the upgrade and then relays the bytes keeping none."""
 
 from __future__ import annotations
 
@@ -12,21 +14,19 @@ import gc
 import ssl
 import tracemalloc
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 
 import pytest
 import pytest_asyncio
-import trustme
 from dns_server import DNSServer
 from mitmproxy import tcp
 from mitmproxy.tcp import TCPMessage
 from mitmproxy.websocket import WebSocketMessage
-from test_engine import CA_DIR, Running, started
+from test_engine import PROXY_CA, UPSTREAM_CA, Running, started
 from ws_server import EchoServer, WSClient, serving_echo
 from wsproto.events import BytesMessage, Ping, Pong, TextMessage
 
 from policy import compile_policy, load_manifest
-from proxy.l7.engine import DENIED_HEADER
+from proxy.reasons import DENIED_HEADER
 
 MANIFEST = "network:\n  egress: [ws.test, private.test]\n"
 
@@ -197,57 +197,137 @@ async def test_path_rules_decide_the_upgrade(dns: DNSServer, echo: EchoServer) -
         ]
 
 
-@pytest.mark.asyncio
-async def test_wss_upgrades_inside_interception_are_decided_by_path(
-    dns: DNSServer, tmp_path: Path
-) -> None:
-    # An https:// prefix rule makes the engine intercept the tunnel and decide each request in
-    # it, the upgrade included; the upstream's certificate comes from a test CA it trusts.
-    upstream_ca = trustme.CA()
-    bundle = tmp_path / "upstream-ca.pem"
-    upstream_ca.cert_pem.write_to_path(str(bundle))
-    upstream_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    upstream_ca.issue_cert("wss.test").configure_cert(upstream_tls)
-    async with serving_echo(tls=upstream_tls) as echo:
-        manifest = f'[network_access]\nallowed = ["https://wss.test:{echo.port}/chat"]\n'
-        extra = f"inspection:\n  ca_dir: {CA_DIR.name}\n  upstream_ca: {bundle}\n"
-        async with started(dns, extra, manifest=manifest, source="agent.toml") as proxy:
-            proxy.dns.set("wss.test", a=["127.0.0.1"])
-            client_tls = ssl.create_default_context(
-                cafile=str(Path(CA_DIR.name) / "mitmproxy-ca-cert.pem")
-            )
-            client, answer = await WSClient.through_tunnel(
-                proxy.port, "wss.test", echo.port, "/admin", client_tls
-            )
-            client.abort()
-            assert (answer.status, answer.headers.get(DENIED_HEADER.lower())) == (
-                403,
-                "path_not_allowed",
-            )
-            assert echo.handshakes == []
+def wss_tls() -> ssl.SSLContext:
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    UPSTREAM_CA.issue_cert("wss.test", "gone.test").configure_cert(context)
+    return context
 
-            client, answer = await WSClient.through_tunnel(
-                proxy.port, "wss.test", echo.port, "/chat", client_tls
-            )
-            assert answer.status == 101, answer
-            await client.send(TextMessage("over wss"))
-            assert await client.message() == "over wss"
-            assert await client.close() == 1000
-            assert [(h.host, h.target) for h in echo.handshakes] == [
-                (f"wss.test:{echo.port}", "/chat")
-            ]
-            names = [
-                (x["decision"], x["reason"], x["method"], x["path"])
-                for x in decisions(proxy)
-                if x["stage"] == "name" and x["protocol"] == "https"
-            ]
-            assert names == [
-                ("deny", "path_not_allowed", "GET", "/admin"),
-                ("allow", "allowed", "GET", "/chat"),
-            ]
+
+def trusting_the_proxy() -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=PROXY_CA)
+
+
+@contextlib.asynccontextmanager
+async def wss(
+    dns: DNSServer, manifest: str = "network:\n  egress: [wss.test, gone.test]\n", **kw: str
+) -> AsyncIterator[tuple[Running, EchoServer]]:
+    """A wss echo server and the proxy intercepting its tunnels (inspection.mode: all unless
+    the manifest's path rules make it needless)."""
+    dns.set("wss.test", a=["127.0.0.1"])
+    dns.set("gone.test", a=["127.0.0.1"])
+    async with (
+        serving_echo(tls=wss_tls()) as echo,
+        started(dns, manifest=manifest.format(port=echo.port), **kw) as proxy,
+    ):
+        yield proxy, echo
+
+
+@pytest.mark.asyncio
+async def test_wss_upgrades_inside_interception_are_decided_by_path(dns: DNSServer) -> None:
+    # An https:// prefix rule makes the proxy intercept the tunnel and decide each request in
+    # it, the upgrade included; the upstream's certificate comes from a test CA it trusts.
+    manifest = '[network_access]\nallowed = ["https://wss.test:{port}/chat"]\n'
+    async with wss(dns, manifest, source="agent.toml", inspection="") as (proxy, echo):
+        client, answer = await WSClient.through_tunnel(
+            proxy.port, "wss.test", echo.port, "/admin", trusting_the_proxy()
+        )
+        client.abort()
+        assert (answer.status, answer.headers.get(DENIED_HEADER.lower())) == (
+            403,
+            "path_not_allowed",
+        )
+        assert echo.handshakes == []
+
+        client, answer = await WSClient.through_tunnel(
+            proxy.port, "wss.test", echo.port, "/chat", trusting_the_proxy()
+        )
+        assert answer.status == 101, answer
+        await client.send(TextMessage("over wss"))
+        assert await client.message() == "over wss"
+        assert await client.close() == 1000
+        assert [(h.host, h.target) for h in echo.handshakes] == [(f"wss.test:{echo.port}", "/chat")]
+        names = [
+            (x["decision"], x["reason"], x["method"], x["path"])
+            for x in decisions(proxy)
+            if x["stage"] == "name" and x["protocol"] == "https"
+        ]
+        assert names == [
+            ("deny", "path_not_allowed", "GET", "/admin"),
+            ("allow", "allowed", "GET", "/chat"),
+        ]
+
+
+@pytest.mark.asyncio
+async def test_a_wss_close_line_says_wss_and_counts_its_bytes(dns: DNSServer) -> None:
+    async with wss(dns) as (proxy, echo):
+        client, answer = await WSClient.through_tunnel(
+            proxy.port, "wss.test", echo.port, "/chat", trusting_the_proxy()
+        )
+        assert answer.status == 101, answer
+        await fifty_kilobytes_each_way_then_close(client, proxy)
+    (close,) = [x for x in proxy.lines() if x["event"] == "close"]
+    assert (close["plane"], close["protocol"], close["host"]) == ("l7", "wss", "wss.test")
+    assert close["upstream"] == f"127.0.0.1:{echo.port}"
+    # 50 KB each way, in TLS records, plus the handshakes.
+    assert 50_000 < close["bytes_up"] < 60_000
+    assert 50_000 < close["bytes_down"] < 60_000
+
+
+@pytest.mark.asyncio
+async def test_reload_closes_a_live_wss_whose_path_the_new_policy_denies(dns: DNSServer) -> None:
+    # The upgrade's own URL is decided again: the host is still allowed, its path no longer.
+    manifest = '[network_access]\nallowed = ["https://wss.test:{port}/chat", "gone.test"]\n'
+    async with wss(dns, manifest, source="agent.toml") as (proxy, echo):
+        dropped, answer = await WSClient.through_tunnel(
+            proxy.port, "wss.test", echo.port, "/chat", trusting_the_proxy()
+        )
+        assert answer.status == 101
+        kept, answer = await WSClient.through_tunnel(
+            proxy.port, "gone.test", echo.port, "/", trusting_the_proxy()
+        )
+        assert answer.status == 101
+        operator = proxy.engine.policy.operator
+        narrower = compile_policy(
+            load_manifest(
+                "[network_access]\n"
+                f'allowed = ["https://wss.test:{echo.port}/other", "gone.test"]\n',
+                source="agent.toml",
+            ),
+            None,
+            operator,
+        )
+        assert len(proxy.set_policy(narrower)) == 1
+        await closed_but_the_other_serves(dropped, kept)
+        closes = lambda: [x for x in proxy.lines() if x["event"] == "close"]  # noqa: E731
+        await eventually(lambda: len(closes()) == 2, "two close lines")
+    assert sorted((x["host"], x["reason"]) for x in closes()) == [
+        ("gone.test", "closed"),
+        ("wss.test", "policy_reload"),
+    ]
 
 
 # -- memory ----------------------------------------------------------------------------------
+
+
+async def held_for_an_unfinished_message(client: WSClient, sink: EchoServer) -> int:
+    """Bytes of memory the process holds after `client` sent one 32 MiB message whose end never
+    comes, to a `sink` that discards what it gets; the client is aborted after."""
+    chunk, total = b"z" * 65536, 32 * 2**20
+    tracemalloc.start()
+    try:
+        baseline = tracemalloc.get_traced_memory()[0]
+        with contextlib.suppress(ConnectionError):  # closing such a client is a fix too
+            for _ in range(total // len(chunk)):
+                await client.send(BytesMessage(chunk, message_finished=False))
+        for _ in range(100):  # until the proxy has read it all (relayed or held)
+            held = tracemalloc.get_traced_memory()[0] - baseline
+            if sink.received >= total or held >= total or client.reader.at_eof():
+                break
+            await asyncio.sleep(0.02)
+        return tracemalloc.get_traced_memory()[0] - baseline
+    finally:
+        tracemalloc.stop()
+        client.abort()
 
 
 class FlowRecorder:
@@ -276,30 +356,48 @@ def live_messages() -> int:
 
 
 @pytest.mark.asyncio
-async def test_a_long_lived_websocket_keeps_no_messages(proxy: Running, echo: EchoServer) -> None:
-    recorder = FlowRecorder()
-    assert proxy.engine.master is not None
-    proxy.engine.master.addons.add(recorder)
-    proxy.dns.set("ws.test", a=["127.0.0.1"])
-    client, answer = await WSClient.through_proxy(proxy.port, f"ws.test:{echo.port}", "/chat")
-    assert answer.status == 101, answer
-    before = live_messages()
-    batches, batch = 20, 50  # 1,000 messages up and 1,000 echoed down
-    payload = b"m" * 512
-    for n in range(batches):
-        for i in range(batch):
-            await client.send(BytesMessage(payload + b"%d.%d" % (n, i)))
-        for i in range(batch):
-            assert await client.message() == payload + b"%d.%d" % (n, i)
-    assert echo.messages == batches * batch
-    # The socket is still open: mitmproxy's flow for it holds no message, nothing else does.
-    (flow,) = recorder.flows
-    assert flow.live
-    assert recorder.hooks >= 2 * batches  # at least one chunk per batch each way
-    assert len(flow.messages) == 0
-    assert recorder.most_held == 0
-    assert live_messages() - before < 10
-    assert await client.close() == 1000
+async def test_a_long_lived_wss_keeps_no_messages(dns: DNSServer) -> None:
+    async with wss(dns) as (proxy, echo):
+        recorder = FlowRecorder()
+        assert proxy.engine.master is not None
+        proxy.engine.master.addons.add(recorder)
+        client, answer = await WSClient.through_tunnel(
+            proxy.port, "wss.test", echo.port, "/chat", trusting_the_proxy()
+        )
+        assert answer.status == 101, answer
+        before = live_messages()
+        batches, batch = 20, 50  # 1,000 messages up and 1,000 echoed down
+        payload = b"m" * 512
+        for n in range(batches):
+            for i in range(batch):
+                await client.send(BytesMessage(payload + b"%d.%d" % (n, i)))
+            for i in range(batch):
+                assert await client.message() == payload + b"%d.%d" % (n, i)
+        assert echo.messages == batches * batch
+        # The socket is still open: mitmproxy's flow for it holds no message, nothing else does.
+        (flow,) = recorder.flows
+        assert flow.live
+        assert recorder.hooks >= 2 * batches  # at least one chunk per batch each way
+        assert len(flow.messages) == 0
+        assert recorder.most_held == 0
+        assert live_messages() - before < 10
+        assert await client.close() == 1000
+
+
+@pytest.mark.asyncio
+async def test_an_unfinished_wss_message_is_not_held_without_bound(dns: DNSServer) -> None:
+    dns.set("wss.test", a=["127.0.0.1"])
+    manifest = "network:\n  egress: [wss.test]\n"
+    async with (
+        serving_echo(discard=True, tls=wss_tls()) as sink,
+        started(dns, manifest=manifest) as proxy,
+    ):
+        client, answer = await WSClient.through_tunnel(
+            proxy.port, "wss.test", sink.port, "/", trusting_the_proxy()
+        )
+        assert answer.status == 101, answer
+        held = await held_for_an_unfinished_message(client, sink)
+        assert held < 8 * 2**20, f"{held / 2**20:.1f} MiB held for an unfinished message"
 
 
 @pytest.mark.asyncio
@@ -308,26 +406,21 @@ async def test_an_unfinished_message_is_not_held_without_bound(proxy: Running) -
         proxy.dns.set("ws.test", a=["127.0.0.1"])
         client, answer = await WSClient.through_proxy(proxy.port, f"ws.test:{sink.port}", "/")
         assert answer.status == 101, answer
-        chunk, total = b"z" * 65536, 32 * 2**20  # one 32 MiB message, its end never sent
-        tracemalloc.start()
-        try:
-            baseline = tracemalloc.get_traced_memory()[0]
-            with contextlib.suppress(ConnectionError):  # closing such a client is a fix too
-                for _ in range(total // len(chunk)):
-                    await client.send(BytesMessage(chunk, message_finished=False))
-            for _ in range(100):  # until the proxy has read it all (relayed or held)
-                held = tracemalloc.get_traced_memory()[0] - baseline
-                if sink.received >= total or held >= total or client.reader.at_eof():
-                    break
-                await asyncio.sleep(0.02)
-            held = tracemalloc.get_traced_memory()[0] - baseline
-        finally:
-            tracemalloc.stop()
-            client.abort()
+        held = await held_for_an_unfinished_message(client, sink)
         assert held < 8 * 2**20, f"{held / 2**20:.1f} MiB held for an unfinished message"
 
 
 # -- audit and metrics -----------------------------------------------------------------------
+
+
+async def fifty_kilobytes_each_way_then_close(client: WSClient, proxy: Running) -> None:
+    """Five 10 KB messages echoed, the close handshake, then the connection's close line."""
+    payload = b"x" * 10_000
+    for _ in range(5):
+        await client.send(BytesMessage(payload))
+        assert await client.message() == payload
+    assert await client.close() == 1000
+    await eventually(lambda: any(x["event"] == "close" for x in proxy.lines()), "the close line")
 
 
 @pytest.mark.asyncio
@@ -337,12 +430,7 @@ async def test_the_upgrade_is_audited_with_method_and_path(
     proxy.dns.set("ws.test", a=["127.0.0.1"])
     client, answer = await WSClient.through_proxy(proxy.port, f"ws.test:{echo.port}", "/chat?v=2")
     assert answer.status == 101
-    payload = b"x" * 10_000
-    for _ in range(5):
-        await client.send(BytesMessage(payload))
-        assert await client.message() == payload
-    assert await client.close() == 1000
-    await eventually(lambda: any(x["event"] == "close" for x in proxy.lines()), "the close line")
+    await fifty_kilobytes_each_way_then_close(client, proxy)
 
     lines = decisions(proxy)
     assert [(x["stage"], x["decision"], x["method"], x["path"]) for x in lines] == [
@@ -366,6 +454,17 @@ async def test_the_upgrade_is_audited_with_method_and_path(
 # -- reload ----------------------------------------------------------------------------------
 
 
+async def closed_but_the_other_serves(dropped: WSClient, kept: WSClient) -> None:
+    """After a reload: `dropped` was closed under its client, `kept` still echoes."""
+    with pytest.raises((ConnectionError, ssl.SSLError)):
+        for _ in range(10):  # at most an unclean close event before the EOF
+            await dropped.event()
+    dropped.abort()
+    await kept.send(TextMessage("still here"))
+    assert await kept.message() == "still here"
+    assert await kept.close() == 1000
+
+
 @pytest.mark.asyncio
 async def test_reload_closes_a_live_websocket_the_new_policy_denies(
     proxy: Running, echo: EchoServer
@@ -379,13 +478,7 @@ async def test_reload_closes_a_live_websocket_the_new_policy_denies(
     operator = proxy.engine.policy.operator
     narrower = compile_policy(load_manifest("network:\n  egress: [ws.test]\n"), None, operator)
     assert len(proxy.engine.set_policy(narrower)) == 1
-    with pytest.raises(ConnectionError):
-        for _ in range(10):  # at most an unclean close event before the EOF
-            await dropped.event()
-    dropped.abort()
-    await kept.send(TextMessage("still here"))
-    assert await kept.message() == "still here"
-    assert await kept.close() == 1000
+    await closed_but_the_other_serves(dropped, kept)
     await eventually(lambda: len([x for x in proxy.lines() if x["event"] == "close"]) == 2, "2")
     reasons = sorted((x["host"], x["reason"]) for x in proxy.lines() if x["event"] == "close")
     assert reasons == [("private.test", "policy_reload"), ("ws.test", "closed")]

@@ -166,6 +166,26 @@ def dns_answer(port: int, name: str) -> dict[str, Any]:
     return {"rcode": dns.rcode.to_text(response.rcode()), "addresses": found}
 
 
+def wait_listening(proxy: subprocess.Popen[bytes], stderr: Path) -> str | None:
+    """Waits (30 s at most) for the proxy's "listening on" line; None once it is there, else
+    what the proxy said on stderr before it exited or the time ran out."""
+    deadline = time.monotonic() + 30
+    while b"listening on" not in stderr.read_bytes():
+        if proxy.poll() is not None or time.monotonic() > deadline:
+            return stderr.read_text()
+        time.sleep(0.05)
+    return None
+
+
+def stop(proxy: subprocess.Popen[bytes]) -> None:
+    """SIGTERM (a drain), then SIGKILL if it has not exited within 15 s."""
+    proxy.terminate()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proxy.wait(timeout=15)
+    if proxy.poll() is None:
+        proxy.kill()
+
+
 def main() -> int:
     proxy_port, tls_port, http_port = (int(x) for x in sys.argv[1:4])
     work = Path(sys.argv[4])
@@ -211,13 +231,11 @@ def main() -> int:
             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr,
         )  # fmt: skip
         try:
-            deadline = time.monotonic() + 30
-            while b"listening on" not in (work / "stderr.txt").read_bytes():
-                if proxy.poll() is not None or time.monotonic() > deadline:
-                    results["start"] = (work / "stderr.txt").read_text()
-                    print(json.dumps(results))
-                    return 1
-                time.sleep(0.05)
+            failed = wait_listening(proxy, work / "stderr.txt")
+            if failed is not None:
+                results["start"] = failed
+                print(json.dumps(results))
+                return 1
             ca_path = str(ca_file)
             results["tls_v4"] = tls_get(ORIGINAL_V4, tls_port, "tls.test", ca_path)
             results["tls_v6"] = tls_get(ORIGINAL_V6, tls_port, "tls.test", ca_path)
@@ -252,11 +270,7 @@ def main() -> int:
             results["upstream_hosts"] = {k: u.hosts for k, u in upstreams.items()}
             results["dns_denied_queries"] = dns.count("denied.test")
         finally:
-            proxy.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proxy.wait(timeout=15)
-            if proxy.poll() is None:
-                proxy.kill()
+            stop(proxy)
             stderr.close()
             for upstream in upstreams.values():
                 upstream.close()

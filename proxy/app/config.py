@@ -19,7 +19,15 @@ from policy.hostnames import check_entry, parse_ip_literal
 from policy.urls import split_authority
 from proxy.app.config_reader import ConfigReader, Section, parse_duration
 from proxy.errors import ProxyError
-from proxy.settings import DEFAULT_CA_DIR, Config, Limits, Nameserver
+from proxy.settings import (
+    ALL,
+    DEFAULT_CA_DIR,
+    INSPECTION_MODES,
+    PREFIXES,
+    Config,
+    Limits,
+    Nameserver,
+)
 
 __all__ = ["Config", "Limits", "Nameserver", "load_config", "parse_duration"]
 
@@ -29,7 +37,7 @@ SECTIONS: dict[str, tuple[str, ...] | None] = {
     "addresses": ("allow", "deny", "in_cluster"),
     "platform_destinations": None,
     "ports": None,
-    "inspection": ("enabled", "ca_dir", "upstream_ca"),
+    "inspection": ("enabled", "ca_dir", "upstream_ca", "mode"),
     "limits": ("connect_timeout", "idle_timeout", "header_timeout", "max_connections"),
     "internal_suffixes": None,
 }
@@ -64,7 +72,7 @@ def load_config(data: bytes | str, *, source: str = "<config>") -> Config:
     addresses = _addresses(section("addresses"))
     platform = _platform_destinations(top)
     ports = _ports(top)
-    enabled, ca_dir, upstream_ca = _inspection(section("inspection"))
+    enabled, ca_dir, upstream_ca, mode = _inspection(section("inspection"))
     limits = _limits(section("limits"))
     suffixes = _internal_suffixes(top)
     reader.finish()
@@ -75,7 +83,16 @@ def load_config(data: bytes | str, *, source: str = "<config>") -> Config:
         inspection_enabled=enabled,
         internal_suffixes=suffixes,
     )
-    return Config(operator, nameservers, dns_timeout, ca_dir, upstream_ca, limits, source)
+    return Config(
+        operator,
+        nameservers,
+        dns_timeout,
+        ca_dir,
+        upstream_ca,
+        limits,
+        source,
+        inspection_mode=mode,
+    )
 
 
 # -- sections -----------------------------------------------------------------------------
@@ -170,12 +187,24 @@ def _ports(top: Section) -> frozenset[int] | None:
     return ports
 
 
-def _inspection(inspection: Section) -> tuple[bool, str, str | None]:
-    """`inspection.enabled`, `ca_dir` and `upstream_ca` (None: certifi's bundle)."""
+def _inspection(inspection: Section) -> tuple[bool, str, str | None, str]:
+    """`inspection.enabled`, `ca_dir`, `upstream_ca` (None: certifi's bundle) and `mode`:
+    `prefixes` (the default: only hosts whose rules decide paths are intercepted) or `all`
+    (every allowed TLS connection), which needs inspection enabled."""
+    enabled = inspection.flag("enabled", True)
+    mode = inspection.choice("mode", INSPECTION_MODES, PREFIXES)
+    if mode == ALL and not enabled:
+        inspection.reader.problem(
+            inspection.path("mode"),
+            mode,
+            "invalid_value",
+            "'all' intercepts every TLS connection, which needs inspection.enabled: true",
+        )
     return (
-        inspection.flag("enabled", True),
+        enabled,
         inspection.text("ca_dir", DEFAULT_CA_DIR),
         inspection.optional_text("upstream_ca"),
+        mode,
     )
 
 

@@ -168,6 +168,17 @@ class Section:
     def text(self, key: str, default: str) -> str:
         return self.read(key, _text, default)
 
+    def choice(self, key: str, choices: tuple[str, ...], default: str) -> str:
+        """One of `choices` (a setting with a few named values: `inspection.mode`, ...)."""
+
+        def parse(value: Any) -> str:
+            if value not in choices:
+                named = ", ".join(repr(choice) for choice in choices)
+                raise ValueError(f"{quote(value)} is not one of {named}")
+            return str(value)
+
+        return self.read(key, parse, default)
+
     def optional_text(self, key: str) -> str | None:
         """A non-empty string, or None when the key is absent or null."""
         if self.mapping.get(key) is None:

@@ -5,15 +5,15 @@
                admin=("127.0.0.1", 9901))
 
 Start-up order: read and compile everything (a PolicyError here is reported by the CLI with the
-same exit codes as `check`), open the audit log; when the policy has URL-prefix rules, load the
-L7 engine and its inspection CA (created on first start); bind the admin listener, the DNS
-listeners (`dns_listen`: our own UDP and TCP server, proxy/dns/server.py, which never loads the
-engine), the front door's listeners (proxy/dataplane/frontdoor.py: the fast path, which hands
-everything else to the engine, loaded then if not yet; explicit and transparent listeners side
-by side), refuse a nameserver that is one of those listeners (the proxy would ask itself),
-then mark the proxy ready. A CA problem exits before anything
-listens; a bind failure stops whatever was already started and exits 2. With `--engine-only`
-the engine is loaded at start and listens itself (no fast path).
+same exit codes as `check`), open the audit log; when the session can need TLS interception
+(`proxy.decide.interception.engine_needed`: inspection enabled, and URL-prefix rules or
+`inspection.mode: all`), load the interception engine and its CA (created on first start), and
+otherwise never import mitmproxy; bind the admin listener, the DNS listeners (`dns_listen`: our
+own UDP and TCP server, proxy/dns/server.py), then the front door's listeners
+(proxy/dataplane/frontdoor.py: every connection is the front door's; only the TLS connections
+it intercepts are handed to the engine, loaded then if not yet), refuse a nameserver that is one
+of those listeners (the proxy would ask itself), then mark the proxy ready. A CA problem exits
+before anything listens; a bind failure stops whatever was already started and exits 2.
 
 Signals (handled on the event loop):
 - SIGTERM / SIGINT: `/readyz` turns 503 at once (draining), the proxy listener stops accepting,
@@ -28,8 +28,8 @@ Signals (handled on the event loop):
   `policy_reload`); the DNS listeners answer with the new policy and resolver. `limits` apply
   from start-up only; a changed DNS configuration takes effect with a new resolver (refused,
   keeping the old one, when a nameserver is one of our own listeners). Turning inspection on,
-  or changing its CA directory or upstream bundle, needs a restart (the reload fails and says
-  so); turning it off closes the intercepted connections.
+  changing `inspection.mode`, its CA directory or its upstream bundle needs a restart (the
+  reload fails and says so); turning it off closes the intercepted connections.
 """
 
 from __future__ import annotations
@@ -42,11 +42,12 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from importlib import metadata
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from policy import Policy, PolicyError
 from proxy.app.inputs import Compiled, Inputs, compile_inputs
 from proxy.dataplane.frontdoor import FrontDoor
+from proxy.decide.interception import engine_needed
 from proxy.decide.vetting import Vetter
 from proxy.dns.answers import DnsResponder
 from proxy.dns.server import DnsServer, ServerLimits
@@ -86,11 +87,9 @@ class Runtime:
         session_id: str | None = None,
         audit_log: str | None = None,
         err: TextIO | None = None,
-        engine_only: bool = False,
         dns_listen: Sequence[Listener] = (),
     ) -> None:
         self.inputs = inputs
-        self.engine_only = engine_only
         self.compiled = compiled
         self.listen = listen
         self.dns_listen = dns_listen
@@ -111,7 +110,7 @@ class Runtime:
         self._stop = asyncio.Event()
         self._hurry = asyncio.Event()
         self._reload_lock = asyncio.Lock()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
         self._own: tuple[Listener, ...] = ()  # every listener, as bound
 
     # -- output --------------------------------------------------------------------------------
@@ -159,29 +158,27 @@ class Runtime:
             ) from None
         self.resolver = resolver
         try:
+            if self.dns_listen:
+                # proxy/dns/server.py serves these; the engine no longer does.
+                raise ProxyError("usage", "--dns-listen is not served by this build")
             ca = None
-            if self.engine_only or self.compiled.policy.has_url_rules:
-                # The policy can need the engine (per-request paths, inspection): load it now,
-                # with its CA, so any problem stops start-up before anything listens.
+            if engine_needed(self.compiled.policy, config):
+                # Load it now, with its CA, so any problem stops start-up before anything
+                # listens.
                 ca = self._new_engine().prepare()
             self.admin = AdminServer(self.readiness, self.metrics.render)
             admin_host, admin_port = await self.admin.start(*self.admin_address)
             dns_bound = await self._start_dns(resolver)
-            if self.engine_only:
-                listeners = (*await self._start_engine(listeners=self.listen), *dns_bound)
-            else:
-                if self.engine is not None:
-                    # The policy needs the engine: started now, listening for nothing (the
-                    # front door hands it its connections).
-                    await self._start_engine(listeners=[])
-                self.front = FrontDoor(
-                    Vetter(self.compiled.policy, resolver, self.metrics, self.audit, plane="l4"),
-                    config,
-                    self.metrics,
-                    self.audit,
-                    engine=self.engine_for_handoff,
-                )
-                listeners = (*await self.front.start(self.listen), *dns_bound)
+            if self.engine is not None:
+                await self.engine_for_intercept()
+            self.front = FrontDoor(
+                Vetter(self.compiled.policy, resolver, self.metrics, self.audit, plane="l4"),
+                config,
+                self.metrics,
+                self.audit,
+                engine=self.engine_for_intercept,
+            )
+            listeners = (*await self.front.start(self.listen), *dns_bound)
             # Every listener, the DNS ones included, is bound from here.
             self._own = (*listeners, Listener("admin", admin_host, admin_port))
             _refuse_own_nameservers(resolver, self._own)
@@ -226,34 +223,21 @@ class Runtime:
 
         assert self.resolver is not None
         self.engine = Engine(
-            self.compiled.policy,
-            self.resolver,
-            self.compiled.config,
-            self.metrics,
-            self.audit,
-            self.session_id,
-            fronted=not self.engine_only,
+            self.compiled.policy, self.resolver, self.compiled.config, self.metrics, self.audit
         )
         return self.engine
 
-    async def _start_engine(self, listeners: Sequence[Listener]) -> tuple[Listener, ...]:
-        engine = self.engine if self.engine is not None else self._new_engine()
-        try:
-            await engine.start(listeners=listeners)
-        except ProxyError as exc:
-            # mitmproxy's message carries a hint about its own --mode option: keep line one.
-            first = exc.message.splitlines()[0] if exc.message else str(exc)
-            raise ProxyError(exc.reason, first) from None
-        self.metrics.engine_loaded(True)
-        return engine.listeners
-
-    async def engine_for_handoff(self) -> Engine:
-        """The running engine, started on first use (one start even for concurrent callers)."""
+    async def engine_for_intercept(self) -> Engine:
+        """The running engine, started on first use (one start even for concurrent callers;
+        the CA is prepared then if it was not at start)."""
         async with self._engine_lock:
-            if self.engine is None or self.engine.master is None:
-                await self._start_engine(listeners=[])  # prepares the engine's CA too
-            assert self.engine is not None
-            return self.engine
+            engine = self.engine if self.engine is not None else self._new_engine()
+            if engine.master is None:
+                # A reload's policy may need the engine a start-up one did not.
+                engine.set_policy(self.compiled.policy)
+                await engine.start()
+                self.metrics.engine_loaded(True)
+            return engine
 
     def _install_signals(self) -> None:
         loop = asyncio.get_running_loop()
@@ -275,33 +259,17 @@ class Runtime:
     async def _drain(self) -> None:
         timeout = min(MAX_DRAIN_SECONDS, self.compiled.config.limits.idle_timeout)
         front = self.front
-        if front is not None:
-            # Every connection, handed to the engine or not, is a task of the front door.
-            if front.live:
-                self.say(f"draining {front.live} live connection(s) for up to {timeout:g}s")
-            drained = asyncio.ensure_future(front.drain(timeout))
-            hurry = asyncio.ensure_future(self._hurry.wait())
-            await asyncio.wait({drained, hurry}, return_when=asyncio.FIRST_COMPLETED)
-            hurry.cancel()
-            if not drained.done():
-                drained.cancel()
+        if front is None:
             return
-        engine = self.engine
-        server = engine.master.addons.get("proxyserver") if engine and engine.master else None
-        if server is None:
-            return
-        with contextlib.suppress(Exception):
-            await server.servers.update([])  # stop accepting; live connections go on
-        if server.connections:
-            self.say(
-                f"draining {len(server.connections)} live connection(s) for up to {timeout:g}s"
-            )
-        deadline = asyncio.get_running_loop().time() + timeout
-        while server.connections and not self._hurry.is_set():
-            if asyncio.get_running_loop().time() >= deadline:
-                self.say(f"drain timeout: closing {len(server.connections)} live connection(s)")
-                break
-            await asyncio.sleep(0.05)
+        # Every connection, intercepted or not, is the front door's, and counts as live there.
+        if front.live:
+            self.say(f"draining {front.live} live connection(s) for up to {timeout:g}s")
+        drained = asyncio.ensure_future(front.drain(timeout))
+        hurry = asyncio.ensure_future(self._hurry.wait())
+        await asyncio.wait({drained, hurry}, return_when=asyncio.FIRST_COMPLETED)
+        hurry.cancel()
+        if not drained.done():
+            drained.cancel()
 
     async def _shutdown(self) -> None:
         for task in list(self._tasks):
@@ -343,9 +311,7 @@ class Runtime:
                     f"{type(exc).__name__}: {str(exc)[:200]}), keeping the previous policy"
                 )
                 return False
-            if (self.engine is None and self.front is None and self.dns is None) or (
-                self._stop.is_set()
-            ):
+            if self.front is None or self._stop.is_set():
                 return False
             old = self.compiled.config
             new = compiled.config
@@ -366,7 +332,7 @@ class Runtime:
                 if self.front is not None:
                     self.front.vetter.resolver = resolver
                 if self.engine is not None:
-                    self.engine.addon.resolver = resolver
+                    self.engine.set_resolver(resolver)
                 if self.dns is not None:
                     self.dns.set_resolver(resolver)
             closed: list[str] = []
@@ -424,11 +390,17 @@ def _refuse_own_nameservers(resolver: Resolver, own: Sequence[Listener]) -> None
 
 
 def _needs_restart(old: Config, new: Config) -> str | None:
-    """What a reload cannot change in a running engine (mitmproxy's TLS set-up is made once)."""
+    """What a reload cannot change in a running engine (mitmproxy's TLS set-up is made once,
+    and whether the engine is loaded at all is decided at start)."""
     if old.operator.inspection_enabled != new.operator.inspection_enabled and (
         new.operator.inspection_enabled
     ):
         return "inspection.enabled turned on needs a restart (the CA is loaded at start)"
+    if old.inspection_mode != new.inspection_mode:
+        return (
+            f"inspection.mode changed from {old.inspection_mode!r} to {new.inspection_mode!r}: "
+            "that needs a restart (which connections are intercepted is set at start)"
+        )
     if new.operator.inspection_enabled and (old.ca_dir, old.upstream_ca) != (
         new.ca_dir,
         new.upstream_ca,
@@ -446,7 +418,6 @@ def run(
     session_id: str | None = None,
     audit_log: str | None = None,
     err: TextIO | None = None,
-    engine_only: bool = False,
     dns_listen: Sequence[Listener] = (),
 ) -> int:
     """Serve until SIGTERM/SIGINT; 0 after a clean drain. Raises ProxyError on bind failures.
@@ -461,7 +432,6 @@ def run(
             session_id=session_id,
             audit_log=audit_log,
             err=err,
-            engine_only=engine_only,
             dns_listen=dns_listen,
         )
         if loop_note is not None:

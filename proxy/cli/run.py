@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 from typing import Any, TextIO
 
-from policy import PolicyError
 from policy.manifests import FORMATS
 
 
@@ -44,11 +43,6 @@ def add_run_parser(sub: Any) -> None:
         "without a scheme is transparent://, serving connections redirected to it by netfilter, "
         "decided on their SNI or Host header",
     )
-    run.add_argument(
-        "--engine-only",
-        action="store_true",
-        help="serve every connection with the L7 engine (no fast path); for comparisons",
-    )
     run.add_argument("--session-id", metavar="ID", help="session id written on every audit line")
     run.add_argument("--audit-log", metavar="FILE", help="append audit lines here (default stdout)")
 
@@ -62,12 +56,7 @@ def cmd_run(args: argparse.Namespace, out: TextIO) -> int:
     bare = "transparent" if args.mode == "transparent" else "http"
     listen = [parse_listener(text, bare=bare) for text in args.listen or ["127.0.0.1:3128"]]
     dns_listen = [parse_dns_listener(text) for text in args.dns_listen or []]
-    check_listeners([*listen, *dns_listen], engine_only=args.engine_only)
-    if args.engine_only and any(x.scheme == "transparent" for x in listen):
-        # The engine alone has no SNI gate for redirected TLS: the front door decides it.
-        raise PolicyError(
-            "usage", "run: --engine-only serves explicit listeners only (http://, socks5://)"
-        )
+    check_listeners([*listen, *dns_listen])
     admin = parse_listen(args.admin)
     # Everything is read and compiled before anything listens: a problem exits here.
     read = inputs.read_inputs(
@@ -81,6 +70,5 @@ def cmd_run(args: argparse.Namespace, out: TextIO) -> int:
         admin=admin,
         session_id=args.session_id,
         audit_log=args.audit_log,
-        engine_only=args.engine_only,
         dns_listen=dns_listen,
     )

@@ -17,15 +17,16 @@ import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from proxy.decide.events import CloseEvent
+from proxy.decide.interception import Destination
 from proxy.decide.vetting import Peer
+from proxy.errors import ProxyError
 from proxy.net.bytecount import Counter
 from proxy.net.relay import Relay
 from proxy.reasons import (
     HEADER_TIMEOUT,
-    INSPECTION_UNSUPPORTED,
     INTERNAL_ERROR,
     OVERLOAD,
     Refused,
@@ -34,7 +35,8 @@ from proxy.reasons import (
 
 if TYPE_CHECKING:
     from proxy.decide.events import AuditSink, MetricsSink
-    from proxy.decide.vetting import Vetter
+    from proxy.decide.interception import Interceptor
+    from proxy.decide.vetting import Vetted, Vetter
     from proxy.netaddr import Listener
     from proxy.settings import Config
 
@@ -76,6 +78,7 @@ class Connection(asyncio.Protocol):
         self.pinned: tuple[str, ...] = ()
         self.upstream: str | None = None  # the pinned address connected to
         self.relay: Relay | None = None
+        self.vetted: Vetted | None = None  # what vetting found, once it has run
         self.counter = Counter()
         self.counted = False  # connection_opened went to the metrics
 
@@ -333,13 +336,6 @@ class Connection(asyncio.Protocol):
         return sock
 
 
-class Handoff(Protocol):
-    """What the front door needs of the interception engine: serve one accepted connection as
-    if it had accepted it, starting with the bytes already read from it."""
-
-    async def handoff(self, sock: socket.socket, prefix: bytes, scheme: str) -> None: ...
-
-
 class Door:
     """The state the front door's connections share."""
 
@@ -349,7 +345,7 @@ class Door:
         config: Config,
         metrics: MetricsSink | None,
         audit: AuditSink | None,
-        engine: Callable[[], Awaitable[Handoff]],
+        engine: Callable[[], Awaitable[Interceptor]],
     ) -> None:
         self.vetter = vetter
         self.config = config
@@ -384,25 +380,39 @@ class Door:
         return port in self.own_ports or (address, port) in self.own
 
     async def intercept(self, connection: Connection) -> None:
-        """Gives a TLS connection whose host needs inspection to the interception engine: its
-        ClientHello passed the SNI gate (it is in `connection.buffer`), its destination is
-        decided (`connection.host`, `port`, `sni`, `target`). Not built yet: refused."""
-        refused = Refused(
-            403, INSPECTION_UNSUPPORTED, "this host's rules need TLS inspection, not available here"
+        """Gives a TLS connection to the interception engine (loaded now if it is not yet): its
+        destination decided and vetted (`connection.host`, `port`, `target`, `pinned`), its
+        ClientHello through the SNI gate (`connection.sni`; the hello itself in `buffer`), any
+        answer of its own protocol already sent (a CONNECT's 200, a SOCKS5 reply). The engine
+        serves it on the same socket and writes its close line; until then it counts as live
+        (limits.max_connections, the drain)."""
+        assert connection.host is not None and connection.port is not None
+        assert connection.sni is not None and connection.target is not None
+        try:
+            engine = await self.engine()
+        except ProxyError as exc:
+            # The engine could not be loaded (its CA, say): nothing can serve this connection.
+            refused = Refused(403, exc.reason, exc.message)
+            connection.refuse(refused, connection.host, connection.port, stage="engine")
+            return
+        destination = Destination(
+            host=connection.host,
+            port=connection.port,
+            sni=connection.sni,
+            target=connection.target,
+            pinned=connection.pinned,
+            peer=connection.peer,
+            protocol=connection.protocol,
         )
-        connection.refuse(refused, connection.host, connection.port, stage="name")
-
-    async def hand_off(self, connection: Connection, prefix: bytes, scheme: str) -> None:
-        """Gives `connection` to the interception engine (loaded now if it is not yet)."""
-        engine = await self.engine()
+        connection.cancel_timer()
+        hello = bytes(connection.buffer)
+        connection.buffer.clear()
         sock = connection.detach_socket()
-        # What arrived while the engine was loading is in the buffer by now, after the prefix.
-        prefix = bytes(connection.buffer) if len(connection.buffer) > len(prefix) else prefix
         self.connections.discard(connection)
         task = asyncio.current_task()
         assert task is not None
         self.handoffs.add(task)
         try:
-            await engine.handoff(sock, prefix, scheme)
+            await engine.intercept(sock, hello, destination)
         finally:
             self.handoffs.discard(task)

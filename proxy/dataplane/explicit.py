@@ -1,13 +1,20 @@
 """The explicit proxy listener (`--listen HOST:PORT`, `http://`): a CONNECT is a tunnel, decided
-and relayed here; any other request is plain HTTP, forwarded by the HTTP plane; a CONNECT whose
-host needs inspection goes to the interception engine."""
+and relayed here; any other request is plain HTTP, forwarded by the HTTP plane; a CONNECT that is
+intercepted (its host's rules decide paths, or `inspection.mode: all`) is vetted, answered 200
+and SNI-gated here, then served by the interception engine."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from proxy.dataplane import tunnel
 from proxy.dataplane.connection import Connection
 from proxy.dataplane.heads import ConnectHead, head_state, parse_connect
-from proxy.reasons import Refused, authority
+from proxy.decide.interception import intercepted
+from proxy.reasons import INTERNAL_ERROR, Refused, authority
+
+if TYPE_CHECKING:
+    from policy import Decision
 
 ESTABLISHED = b"HTTP/1.1 200 Connection established\r\n\r\n"
 
@@ -31,52 +38,68 @@ class Explicit(Connection):
         self.connect(head)
 
     def plain_http(self) -> None:
-        # Until the HTTP plane takes these, the engine serves them on the same socket.
-        self.spawn(self.door.hand_off(self, bytes(self.buffer), "http"))
+        # The HTTP plane (proxy/dataplane/http.py) serves these; the engine never does again.
+        refused = Refused(403, INTERNAL_ERROR, "plain HTTP is not served by this build")
+        self.refuse(refused, None, None, stage="request")
 
     def connect(self, head: ConnectHead) -> None:
         target = authority(head.host, head.port)
         decision = self.door.vetter.decide(target)
-        if decision.allowed and decision.needs_inspection:
-            # Interception is the engine's: it reads the CONNECT head again itself.
-            self.spawn(self.door.hand_off(self, bytes(self.buffer), "http"))
-            return
         self.protocol = "connect"
         del self.buffer[: len(self.buffer) - len(head.rest)]
+        if intercepted(decision, self.door.config):
+            self.spawn(self._intercept(target, head.host, head.port, decision))
+            return
         self.spawn(self._tunnel(target, head.host, head.port, decision))
 
-    async def _tunnel(self, target: str, host: str, port: int, decision: object) -> None:
+    async def _intercept(self, target: str, host: str, port: int, decision: Decision) -> None:
+        """Vetted (DNS once, address stage) before the 200, SNI-gated after it, then the
+        engine's: it dials the checked addresses when the first request inside needs them."""
         try:
-            dialled = await tunnel.dial(self, target, port, decision, method="CONNECT")  # type: ignore[arg-type]
+            vetted = await tunnel.vet(
+                self, target, port, decision, inspecting=True, method="CONNECT"
+            )
+        except Refused as refused:
+            self.refuse(refused, host, port, stage="", record=False)
+            return
+        self.answered = True
+        self.transport.write(ESTABLISHED)
+        if await self._gate(vetted.decision.host, port):
+            await self.door.intercept(self)
+
+    async def _gate(self, host: str, port: int) -> bool:
+        """The SNI gate on the ClientHello after the 200: True when it passed (its allow line
+        written), False when the connection is closed (refused, or the client went first)."""
+        outcome = await tunnel.client_hello(self, host)
+        if outcome is None:
+            return False
+        self.sni = outcome.sni
+        if outcome.refused is not None:
+            self.door.vetter.refusal(
+                outcome.refused, self.peer, host, port, self.protocol,
+                stage="sni", sni=self.sni, vetted=self.vetted,
+            )  # fmt: skip
+            self.reason = outcome.refused.reason
+            self.close()
+            return False
+        self.door.vetter.allowed(
+            self.peer, self.protocol, stage="sni", vetted=self.vetted, port=port, sni=self.sni
+        )
+        return True
+
+    async def _tunnel(self, target: str, host: str, port: int, decision: Decision) -> None:
+        try:
+            dialled = await tunnel.dial(self, target, port, decision, method="CONNECT")
         except Refused as refused:
             self.refuse(refused, host, port, stage="", record=False)
             return
         try:
             self.answered = True
             self.transport.write(ESTABLISHED)
-            outcome = await tunnel.client_hello(self, dialled.name)
-            if outcome is None:  # the client ended (or went) before its ClientHello
+            if not await self._gate(dialled.name, port):
                 dialled.transport.close()
                 self.close()
                 return
-            self.sni = outcome.sni
-            if outcome.refused is not None:
-                dialled.transport.close()
-                self.door.vetter.refusal(
-                    outcome.refused, self.peer, dialled.name, port, self.protocol,
-                    stage="sni", sni=outcome.sni, vetted=dialled.vetted,
-                )  # fmt: skip
-                self.reason = outcome.refused.reason
-                self.close()
-                return
-            self.door.vetter.allowed(
-                self.peer,
-                self.protocol,
-                stage="sni",
-                vetted=dialled.vetted,
-                port=port,
-                sni=self.sni,
-            )
             tunnel.relay(self, dialled)
         except BaseException:
             if self.relay is None:

@@ -8,9 +8,10 @@
 Every connection is accepted here, as an `asyncio.Protocol` of its listener's kind
 (proxy/dataplane/kinds.py). Tunnels are decided, dialled, SNI-gated and relayed here
 (proxy/dataplane/tunnel.py); plain HTTP is forwarded here (proxy/dataplane/http.py). Only a TLS
-connection whose host needs inspection is handed to the interception engine, on the same socket
-with the bytes read so far; the engine (mitmproxy) is loaded only when the first such
-connection arrives, unless the runtime loaded it at start.
+connection that is intercepted (`proxy.decide.interception.intercepted`: its host's rules decide
+paths, or `inspection.mode: all`) is handed to the interception engine, after its SNI gate, on
+the same socket with its ClientHello (`Door.intercept`); the engine (mitmproxy) is loaded only
+when the first such connection arrives, unless the runtime loaded it at start.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import socket
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
-from proxy.dataplane.connection import Door, Handoff
+from proxy.dataplane.connection import Door
 from proxy.dataplane.kinds import protocol_for
 from proxy.errors import ProxyError
 from proxy.net.sockets import listening_socket
@@ -31,12 +32,13 @@ from proxy.reasons import POLICY_RELOAD
 if TYPE_CHECKING:
     from policy import Policy
     from proxy.decide.events import AuditSink, MetricsSink
+    from proxy.decide.interception import Interceptor
     from proxy.decide.vetting import Vetter
     from proxy.settings import Config
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FrontDoor", "Handoff"]
+__all__ = ["FrontDoor"]
 
 
 class FrontDoor:
@@ -49,7 +51,7 @@ class FrontDoor:
         metrics: MetricsSink | None = None,
         audit: AuditSink | None = None,
         *,
-        engine: Callable[[], Awaitable[Handoff]],
+        engine: Callable[[], Awaitable[Interceptor]],
     ) -> None:
         self.door = Door(vetter, config, metrics, audit, engine)
         self.listeners: tuple[Listener, ...] = ()

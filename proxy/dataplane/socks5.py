@@ -40,12 +40,12 @@ from policy import PolicyError
 from policy.hostnames import normalize_host
 from proxy.dataplane import tunnel
 from proxy.dataplane.connection import Connection
+from proxy.decide.interception import intercepted
 from proxy.reasons import (
     HEADER_TIMEOUT,
     INTERNAL_ERROR,
     INVALID_REQUEST,
     NOT_SOCKS5,
-    PROXY_LOOP,
     SOCKS_ADDRESS_TYPE,
     SOCKS_COMMAND,
     SOCKS_NO_METHOD,
@@ -297,7 +297,7 @@ class Socks5(Connection):
     def connect(self, host: str, port: int) -> None:
         target = authority(host, port)
         decision = self.door.vetter.decide(target)
-        if decision.allowed and decision.needs_inspection:
+        if intercepted(decision, self.door.config):
             self.spawn(self._intercept(target, host, port, decision))
         else:
             self.spawn(self._tunnel(target, host, port, decision))
@@ -322,27 +322,15 @@ class Socks5(Connection):
             raise
 
     async def _intercept(self, target: str, host: str, port: int, decision: Decision) -> None:
-        """A host whose rules need inspection: DNS once and the address stage before the
-        reply, as for a tunnel; the engine dials the checked addresses itself."""
-        vetter, peer = self.door.vetter, self.peer
-        self.target = target
+        """A host the engine intercepts: DNS once, the address stage and the loop guard before
+        the reply, as for a tunnel; the engine dials the checked addresses itself."""
         try:
-            vetted = await vetter.vet(
-                target, port, peer, self.protocol, inspecting=True, decision=decision, final=False
-            )
+            vetted = await tunnel.vet(self, target, port, decision, inspecting=True)
         except Refused as refused:
             self.refuse(refused, host, port, stage="", record=False)
             return
-        name = vetted.decision.host
-        self.host, self.port, self.pinned = name, port, vetted.pinned
-        if any(self.door.is_own(address, port) for address in vetted.pinned):
-            own = f"{authority(name, port)} is this proxy's own listener"
-            loop = Refused(403, PROXY_LOOP, own)
-            vetter.refusal(loop, peer, name, port, self.protocol, stage="address", vetted=vetted)
-            self.refuse(loop, name, port, stage="", record=False)
-            return
         # No upstream connection yet, so no bound address to report: 0.0.0.0:0.
-        if self._succeeded(None) and await self._gate(name, port, vetted):
+        if self._succeeded(None) and await self._gate(vetted.decision.host, port, vetted):
             await self.door.intercept(self)
 
     def _succeeded(self, bound: tuple[str, int] | None) -> bool:

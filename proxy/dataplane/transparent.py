@@ -1,19 +1,24 @@
 """Transparent listeners (`transparent://HOST:PORT`, `--mode transparent`): connections netfilter
 redirected to us (REDIRECT/DNAT). TLS is decided on its SNI and relayed to a checked address of
-that name, never to the original destination, which is read only for its port; plain HTTP is
-decided on its Host header by the HTTP plane. No SNI, no Host, or a connection that was not
-redirected: refused. The client asked nothing of a proxy, so nothing can be answered in HTTP:
-a refusal closes the connection (its decision and close lines say why)."""
+that name, never to the original destination, which is read only for its port; a TLS connection
+that is intercepted (its host's rules decide paths, or `inspection.mode: all`) is vetted here and
+then served by the interception engine, exactly as an explicit one. Plain HTTP is decided on its
+Host header by the HTTP plane. No SNI, no Host, or a connection that was not redirected: refused.
+The client asked nothing of a proxy, so nothing can be answered in HTTP: a refusal closes the
+connection (its decision and close lines say why)."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from proxy.dataplane import tunnel
 from proxy.dataplane.connection import Connection
 from proxy.decide.clienthello import ClientHelloError, parse_client_hello, starts_like_tls
+from proxy.decide.interception import intercepted
 from proxy.decide.vetting import canonical_host
 from proxy.net.sockets import original_destination
 from proxy.reasons import (
-    INSPECTION_UNSUPPORTED,
+    INTERNAL_ERROR,
     INVALID_CLIENT_HELLO,
     NO_ORIGINAL_DESTINATION,
     SNI_MISMATCH,
@@ -22,6 +27,9 @@ from proxy.reasons import (
     authority,
     shown,
 )
+
+if TYPE_CHECKING:
+    from policy import Decision
 
 
 class Transparent(Connection):
@@ -76,25 +84,33 @@ class Transparent(Connection):
         assert self.port is not None
         target = authority(host, self.port)
         decision = self.door.vetter.decide(target)
-        if decision.allowed and decision.needs_inspection:
-            refused = Refused(
-                403,
-                INSPECTION_UNSUPPORTED,
-                "this host's rules need TLS inspection, which transparent mode does not do; "
-                "use the explicit proxy",
-            )
-            self.refuse(refused, host, self.port, stage="name", sni=hello.sni)
+        if intercepted(decision, self.door.config):
+            self.spawn(self._intercept(target, self.port, decision))
             return
         self.spawn(self._tunnel(target, self.port, decision))
 
     def plain_http(self) -> None:
-        # Until the HTTP plane takes these, the engine decides them on their Host header.
+        # The HTTP plane (proxy/dataplane/http.py) serves these; the engine never does again.
         self.protocol = "http"
-        self.spawn(self.door.hand_off(self, bytes(self.buffer), "transparent"))
+        refused = Refused(403, INTERNAL_ERROR, "plain HTTP is not served by this build")
+        self.refuse(refused, None, self.port, stage="request")
 
-    async def _tunnel(self, target: str, port: int, decision: object) -> None:
+    async def _intercept(self, target: str, port: int, decision: Decision) -> None:
+        """The hello is read and gated (its SNI named the host): vetted here, then the
+        engine's, which dials the checked addresses when the first request inside needs them."""
         try:
-            dialled = await tunnel.dial(self, target, port, decision, sni=self.sni)  # type: ignore[arg-type]
+            name = await tunnel.vet(self, target, port, decision, inspecting=True, sni=self.sni)
+        except Refused as refused:
+            self.refuse(refused, None, port, stage="", record=False)
+            return
+        self.door.vetter.allowed(
+            self.peer, self.protocol, stage="sni", host=name, port=port, sni=self.sni
+        )
+        await self.door.intercept(self)
+
+    async def _tunnel(self, target: str, port: int, decision: Decision) -> None:
+        try:
+            dialled = await tunnel.dial(self, target, port, decision, sni=self.sni)
         except Refused as refused:
             self.refuse(refused, None, port, stage="", record=False)
             return

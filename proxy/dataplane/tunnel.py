@@ -2,7 +2,7 @@
 DNS once and the address stage on a name already decided, the loop guard, the dial of the
 checked addresses, the SNI gate on the ClientHello, and the relay with its close line.
 
-    dialled = await dial(connection, target, host, port, decision)   # raises Refused
+    dialled = await dial(connection, target, port, decision)         # raises Refused
     outcome = await client_hello(connection, dialled.name)            # the SNI gate
     relay(connection, dialled)                # the hello and all after it, first
 """
@@ -32,6 +32,46 @@ class Dialled:
     vetted: Vetted
 
 
+async def vet(
+    connection: Connection,
+    target: str,
+    port: int,
+    decision: Decision,
+    *,
+    inspecting: bool = False,
+    **context: Any,
+) -> Vetted:
+    """DNS once, address stage and loop guard for a name stage already taken (`decision`):
+    returns what vetting found (also kept in `connection.vetted`, the checked addresses in
+    `connection.pinned`); the allow line is the caller's last stage's (the SNI gate). Raises Refused
+    after its audit line is written; the connection learns the destination as it goes (for
+    reloads and its close line). `inspecting`: the connection goes to the interception engine."""
+    door = connection.door
+    vetter = door.vetter
+    peer, protocol = connection.peer, connection.protocol
+    connection.target = target
+    vetted = await vetter.vet(
+        target,
+        port,
+        peer,
+        protocol,
+        inspecting=inspecting,
+        decision=decision,
+        final=False,
+        **context,
+    )
+    name = vetted.decision.host
+    connection.host, connection.port, connection.pinned = name, port, vetted.pinned
+    connection.vetted = vetted
+    if any(door.is_own(address, port) for address in vetted.pinned):
+        refused = Refused(403, PROXY_LOOP, f"{authority(name, port)} is this proxy's own listener")
+        vetter.refusal(
+            refused, peer, name, port, protocol, stage="address", vetted=vetted, **context
+        )
+        raise refused
+    return vetted
+
+
 async def dial(
     connection: Connection,
     target: str,
@@ -39,28 +79,17 @@ async def dial(
     decision: Decision,
     **context: Any,
 ) -> Dialled:
-    """DNS once, address stage, loop guard and the dial of the checked addresses for a name
-    stage already taken (`decision`). Raises Refused after its audit line is written; the
-    connection learns the destination as it goes (for reloads and its close line)."""
+    """`vet`, then the dial of the checked addresses. Raises Refused after its audit line is
+    written."""
     door = connection.door
     vetter = door.vetter
     peer, protocol = connection.peer, connection.protocol
-    connection.target = target
-    vetted = await vetter.vet(
-        target, port, peer, protocol, inspecting=False, decision=decision, final=False, **context
-    )
+    vetted = await vet(connection, target, port, decision, **context)
     name = vetted.decision.host
-    connection.host, connection.port, connection.pinned = name, port, vetted.pinned
-    if any(door.is_own(address, port) for address in vetted.pinned):
-        refused = Refused(403, PROXY_LOOP, f"{authority(name, port)} is this proxy's own listener")
-        vetter.refusal(
-            refused, peer, name, port, protocol, stage="address", vetted=vetted, **context
-        )
-        raise refused
     try:
         transport, upstream = await dial_checked(
             name,
-            vetted.pinned,
+            connection.pinned,
             port,
             connect_upstream,
             timeout=door.config.limits.connect_timeout,

@@ -244,10 +244,7 @@ class DnsResponder:
         rule: str | None = None,
     ) -> None:
         host = shown(name) if name is not None else None
-        context = {"method": qtype} if qtype is not None else {}
-        if rule is not None:
-            context["rule"] = rule
-        self.vetter.refusal(refused, peer, host, None, "dns", stage=stage, **context)
+        self.vetter.refusal(refused, peer, host, None, "dns", stage=stage, method=qtype, rule=rule)
 
     def count(self, qtype: str, rcode: str) -> None:
         if self.metrics is not None:

@@ -309,15 +309,15 @@ class Metrics:
                 family.add_metric(labels, amount)
             yield family
         for spec in _HISTOGRAMS:
-            family = HistogramMetricFamily(PREFIX + spec.name, spec.help, labels=spec.labels)
+            histograms = HistogramMetricFamily(PREFIX + spec.name, spec.help, labels=spec.labels)
             assert spec.buckets is not None
             for labels, histogram in sorted(self._histograms[spec].items()):
                 cumulative, running = [], 0
                 for bound, count in zip((*spec.buckets, math.inf), histogram.counts, strict=True):
                     running += count
                     cumulative.append((_bound(bound), running))
-                family.add_metric(labels, cumulative, histogram.total)
-            yield family
+                histograms.add_metric(labels, cumulative, histogram.total)
+            yield histograms
         active = GaugeMetricFamily(
             f"{PREFIX}active_connections", "Client connections currently open, by plane.",
             labels=("plane",),

@@ -1,0 +1,345 @@
+"""The engine's mitmproxy addons: its hooks translated into calls of the decision code both
+planes share (`Vetter`: name stage on the request's URL, DNS once, address stage), and the
+answers back into mitmproxy's terms (a response, a refused dial, a killed flow).
+
+- `RequestGate`: every request inside an intercepted connection is decided on its own
+  (`requestheaders`): its Host (and absolute-form authority) must name the connection's host
+  (proxy/l7/rules.py), every upgrade but WebSocket is refused, then the policy decides its path
+  and the checked addresses are kept for the dial. A 101 is accepted only for the WebSocket the
+  request asked for, then relayed as bytes with nothing kept (`tcp_message`). When the upstream
+  failed, `error` leaves our 502/504 for the client (patches.AnsweringHttpLayer sends it).
+- `Pinning`: `server_connect` allows a dial only to the checked addresses of a decided request
+  (patches.DialingHandler dials them); the upstream's certificate is verified against the name.
+  Upstream failures and failed upstream handshakes get their audit lines.
+
+Fail closed (DESIGN 3.7): mitmproxy only logs an exception raised in a hook and carries on, so
+every hook is wrapped by `fail_closed`, which denies in the hook's own terms.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import re
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from mitmproxy import http, tcp
+
+from proxy.errors import ProxyError
+from proxy.l7.modes import CloseClient
+from proxy.l7.patches import ANSWER
+from proxy.l7.rules import WEBSOCKET, check_request, denial, is_websocket, upgrade_tokens
+from proxy.l7.state import Dial
+from proxy.reasons import (
+    INTERNAL_ERROR,
+    NOT_VETTED,
+    UPGRADE_REFUSED,
+    UPSTREAM_REFUSED,
+    UPSTREAM_TIMEOUT,
+    UPSTREAM_TLS,
+    Refused,
+    authority,
+    shown,
+)
+
+if TYPE_CHECKING:
+    from mitmproxy.connection import Client
+    from mitmproxy.proxy.layer import NextLayer
+    from mitmproxy.proxy.server_hooks import ServerConnectionHookData
+    from mitmproxy.tls import TlsData
+
+    from proxy.decide.events import MetricsSink
+    from proxy.decide.vetting import Vetter
+    from proxy.l7.state import Intercepted, Ledger
+
+logger = logging.getLogger(__name__)
+
+HTTPS = "https"  # the audit protocol of a request inside interception
+# What our dial and our refusals put in a server connection's error (mitmproxy hands only the
+# text on): the reason code, then the message.
+_OURS = re.compile(r"egress-proxy: ([a-z_]+): ")
+# Bodies above this many bytes are streamed, not buffered (DESIGN 4); smaller ones are buffered
+# whole, cheaper per request and bounded by this size.
+STREAM_LARGE_BODIES = "64k"
+STREAM_THRESHOLD = 64 * 1024
+_UPGRADE_URL = "egress-proxy.upgrade"  # flow.metadata: the URL a WebSocket upgrade decided
+
+H = TypeVar("H", bound=Callable[..., Any])
+
+
+def fail_closed(deny: Callable[[Any, Any], None]) -> Callable[[H], H]:
+    """A hook that raises is a denial: the exception is logged with its traceback, an audit
+    line says internal_error, and `deny(addon, argument)` refuses in the hook's terms."""
+
+    def decorate(hook: H) -> H:
+        name = hook.__name__
+        if inspect.iscoroutinefunction(hook):
+
+            @functools.wraps(hook)
+            async def guarded(self: _Hooks, argument: Any) -> None:
+                try:
+                    await hook(self, argument)
+                except Exception as exc:
+                    self.failed(name, argument, exc, deny)
+
+            return guarded  # type: ignore[return-value]
+
+        @functools.wraps(hook)
+        def guarded_sync(self: _Hooks, argument: Any) -> None:
+            try:
+                hook(self, argument)
+            except Exception as exc:
+                self.failed(name, argument, exc, deny)
+
+        return guarded_sync  # type: ignore[return-value]
+
+    return decorate
+
+
+def _client_of(argument: Any) -> Client | None:
+    """The client connection a hook's argument belongs to (a flow, hook data, TLS data...)."""
+    for path in ("client_conn", "client", "context.client"):
+        value: Any = argument
+        for name in path.split("."):
+            value = getattr(value, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def answer(flow: http.HTTPFlow, response: http.Response) -> None:
+    """Answers a request from the proxy. mitmproxy cannot stream a request body and answer the
+    request at once (NotImplementedError in HttpStream.start_request_stream): a request whose
+    body it would stream (above STREAM_THRESHOLD, or chunked, which may grow past it) is killed
+    instead, which closes the client connection. Either way nothing goes upstream."""
+    request = flow.request
+    length = request.headers.get("content-length", "")
+    chunked = "chunked" in request.headers.get("transfer-encoding", "").lower()
+    # Only ASCII digits of a sane length are a length; anything else may be streamed, so large.
+    readable = length.isascii() and length.isdigit() and len(length) <= 18
+    large = chunked or (bool(length) and (not readable or int(length) > STREAM_THRESHOLD))
+    if request.stream or large:
+        flow.kill()
+    else:
+        flow.response = response
+
+
+class _Hooks:
+    """What both addons share: the decisions, the live connections, the failure path."""
+
+    def __init__(self, vetter: Vetter, ledger: Ledger) -> None:
+        self.vetter = vetter
+        self.ledger = ledger
+
+    def connection(self, client: Client | None) -> Intercepted:
+        """Our state of a client connection; a connection we did not hand over is denied."""
+        connection = self.ledger.get(client.id) if client is not None else None
+        if connection is None:
+            raise ProxyError("not_ours", "a client connection the engine was not handed")
+        return connection
+
+    def refusal(self, connection: Intercepted, refused: Refused, **context: Any) -> None:
+        destination = connection.destination
+        self.vetter.refusal(
+            refused, destination.peer, destination.host, destination.port, HTTPS, **context
+        )
+
+    def failed(
+        self, hook: str, argument: Any, exc: Exception, deny: Callable[[Any, Any], None]
+    ) -> None:
+        logger.error("egress: the %s hook failed; denied", hook, exc_info=exc)
+        connection = None
+        try:
+            client = _client_of(argument)
+            connection = self.ledger.get(client.id) if client is not None else None
+            if connection is not None:
+                message = f"internal error in {hook}: {type(exc).__name__}"
+                self.refusal(connection, Refused(403, INTERNAL_ERROR, message), stage="engine")
+            deny(self, argument)
+        except Exception:
+            logger.exception("egress: denying after the %s hook failed failed too", hook)
+            if connection is not None:
+                connection.end(INTERNAL_ERROR)
+            elif callable(getattr(argument, "kill", None)):
+                argument.kill()  # a flow of no connection of ours: it goes nowhere
+
+
+def _deny_request(addon: _Hooks, flow: http.HTTPFlow) -> None:
+    connection = addon.ledger.get(flow.client_conn.id)
+    host, port = (
+        (connection.destination.host, connection.destination.port)
+        if connection
+        else ("proxy", None)
+    )
+    answer(flow, denial(Refused(403, INTERNAL_ERROR, "internal error"), host, port))
+
+
+def _kill(addon: _Hooks, flow: http.HTTPFlow | tcp.TCPFlow) -> None:
+    flow.kill()
+
+
+def _end_connection(addon: _Hooks, argument: Any) -> None:
+    addon.connection(_client_of(argument)).end(INTERNAL_ERROR)
+
+
+def _refuse_dial(addon: _Hooks, data: ServerConnectionHookData) -> None:
+    addon.ledger.forget_dial(data.server.id)
+    data.server.error = f"egress-proxy: {INTERNAL_ERROR}: internal error"
+
+
+def _close_client(addon: _Hooks, nextlayer: NextLayer) -> None:
+    nextlayer.layer = CloseClient(nextlayer.context)
+
+
+class RequestGate(_Hooks):
+    """Every request inside interception decided on its own; WebSocket the only upgrade."""
+
+    name = "egress-requests"
+
+    @fail_closed(_deny_request)
+    async def requestheaders(self, flow: http.HTTPFlow) -> None:
+        connection = self.connection(flow.client_conn)
+        connection.cancel_head_timer()
+        request = flow.request
+        destination = connection.destination
+        context: dict[str, Any] = {"method": request.method, "path": request.path}
+        target = f"https://{authority(destination.host, destination.port)}{request.path}"
+        try:
+            refused = check_request(request, destination)
+            if refused is not None:
+                stage = "request" if refused.reason == UPGRADE_REFUSED else "host"
+                self.refusal(connection, refused, stage=stage, **context)
+                raise refused
+            vetted = await self.vetter.vet(
+                target, destination.port, destination.peer, HTTPS, inspecting=True, **context
+            )
+        except Refused as refused:
+            answer(flow, denial(refused, destination.host, destination.port))
+            return
+        connection.vetted[(destination.host, destination.port)] = vetted.pinned
+        connection.pinned = vetted.pinned
+        if is_websocket(request):
+            flow.metadata[_UPGRADE_URL] = target
+
+    @fail_closed(_kill)
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        response = flow.response
+        if response is None or response.status_code != 101:
+            return
+        connection = self.connection(flow.client_conn)
+        upgraded = flow.metadata.get(_UPGRADE_URL)
+        if upgraded is not None and upgrade_tokens(response.headers) == [WEBSOCKET]:
+            # The WebSocket was decided as the request that opened it; its bytes follow.
+            connection.protocol = "wss"
+            connection.upgraded = upgraded
+            return
+        asked = ", ".join(upgrade_tokens(response.headers)) or "nothing named"
+        refused = Refused(
+            403, UPGRADE_REFUSED, f"the upstream switched protocols to {shown(asked)!r} unasked"
+        )
+        self.refusal(connection, refused, stage="request", method=flow.request.method)
+        flow.kill()
+
+    @fail_closed(_kill)
+    def tcp_message(self, flow: tcp.TCPFlow) -> None:
+        # After a 101 the connection is relayed as bytes (mitmproxy's TCPLayer), which appends
+        # each chunk to the flow before sending it on: emptied here, so a long-lived WebSocket
+        # keeps nothing.
+        flow.messages.clear()
+
+    @fail_closed(_end_connection)
+    def error(self, flow: http.HTTPFlow) -> None:
+        """The upstream of a request failed before any response: our answer, not mitmproxy's
+        page (502 upstream_refused or upstream_tls, 504 upstream_timeout, 403 not_vetted)."""
+        if flow.error is None or flow.response is not None:
+            return
+        connection = self.connection(flow.client_conn)
+        message = flow.error.msg
+        match = _OURS.match(message)
+        if match is not None:
+            reason = match.group(1)
+        elif connection.tls_failure is not None and message == connection.tls_failure:
+            reason, message = UPSTREAM_TLS, f"egress-proxy: {UPSTREAM_TLS}: {message}"
+            connection.tls_failure = None
+        else:
+            return  # not an upstream failure of ours: mitmproxy's own answer stands
+        status = 504 if reason == UPSTREAM_TIMEOUT else 403 if reason == NOT_VETTED else 502
+        refused = Refused(status, reason, message, error=status != 403)
+        destination = connection.destination
+        flow.metadata[ANSWER] = denial(refused, destination.host, destination.port)
+
+
+class Pinning(_Hooks):
+    """Upstream connections go to checked addresses only, and are verified against the name."""
+
+    name = "egress-pinning"
+
+    def __init__(
+        self,
+        vetter: Vetter,
+        ledger: Ledger,
+        *,
+        connect_timeout: float,
+        metrics: MetricsSink | None,
+    ) -> None:
+        super().__init__(vetter, ledger)
+        self.connect_timeout = connect_timeout
+        self.metrics = metrics
+
+    @fail_closed(_refuse_dial)
+    def server_connect(self, data: ServerConnectionHookData) -> None:
+        connection = self.connection(data.client)
+        server = data.server
+        address = server.address
+        pins = connection.vetted.get((address[0], address[1])) if address else None
+        if not pins or address is None:
+            server.error = f"egress-proxy: {NOT_VETTED}: server connection not vetted by policy"
+            refused = Refused(403, NOT_VETTED, "server connection not vetted by policy")
+            self.refusal(connection, refused, stage="connect")
+            return
+        if server.tls:
+            server.sni = connection.destination.host  # verified against the name, not an IP
+        dial = Dial(address[0], pins, address[1], self.connect_timeout, self.metrics)
+        self.ledger.allow_dial(server.id, dial)
+
+    @fail_closed(_end_connection)
+    def server_connected(self, data: ServerConnectionHookData) -> None:
+        peer = data.server.peername
+        if peer:
+            self.connection(data.client).upstream = authority(peer[0], peer[1])
+
+    @fail_closed(_end_connection)
+    def server_connect_error(self, data: ServerConnectionHookData) -> None:
+        self.ledger.forget_dial(data.server.id)
+        match = _OURS.match(str(data.server.error or ""))
+        if match is None or match.group(1) not in (UPSTREAM_REFUSED, UPSTREAM_TIMEOUT):
+            return  # refused before any dial: that refusal has its own line
+        reason = match.group(1)
+        status = 504 if reason == UPSTREAM_TIMEOUT else 502
+        refused = Refused(status, reason, str(data.server.error), error=True)
+        self.refusal(self.connection(data.client), refused, stage="upstream")
+
+    @fail_closed(_end_connection)
+    def tls_failed_server(self, data: TlsData) -> None:
+        """The upstream's certificate is not trusted or not for the name, or it spoke no TLS:
+        the request gets 502 upstream_tls, and nothing was sent upstream."""
+        connection = self.connection(data.context.client)
+        message = str(data.conn.error or "TLS handshake failed")
+        connection.tls_failure = message
+        self.refusal(connection, Refused(502, UPSTREAM_TLS, message, error=True), stage="upstream")
+
+    @fail_closed(_end_connection)
+    def tls_failed_client(self, data: TlsData) -> None:
+        # Most often the client does not trust the session CA: its close line says so.
+        connection = self.connection(data.context.client)
+        if connection.close_reason == "closed":
+            connection.close_reason = "client_tls_failed"
+
+    @fail_closed(_close_client)
+    def next_layer(self, nextlayer: NextLayer) -> None:
+        # Our stack is fixed (proxy/l7/modes.py); mitmproxy asks only where it would pick a
+        # protocol of its own (raw TCP, passthrough): never allowed here.
+        if nextlayer.layer is None:
+            nextlayer.layer = CloseClient(nextlayer.context)

@@ -1,0 +1,106 @@
+"""What the engine knows of each intercepted connection, and the dials its hooks allowed.
+
+    connection = Intercepted(destination, transport)     # Engine.intercept makes it
+    ledger.add("mitmproxy client id", connection)        # modes.InterceptInstance.serve
+    ledger.allow_dial(server.id, Dial(...))               # the server_connect hook
+    ledger.take_dial(server.id)                           # the dial itself (patches.py)
+
+mitmproxy names client and server connections by ids (`Client.id`, `Server.id`); every hook
+finds our state by them. A hook for a connection not in the ledger is not ours: it is denied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from proxy.decide.events import MetricsSink
+    from proxy.decide.interception import Destination
+
+
+@dataclass(slots=True)
+class Bytes:
+    """Bytes of one client connection as the client sent and received them (TLS records)."""
+
+    up: int = 0  # read from the client
+    down: int = 0  # written to the client
+
+
+@dataclass(frozen=True, slots=True)
+class Dial:
+    """What `server_connect` allowed one upstream connection to dial: checked addresses only,
+    in answer order, each with the connect timeout, falling back to the next on failure."""
+
+    name: str  # the host as decided, for messages
+    addresses: tuple[str, ...]
+    port: int
+    timeout: float
+    metrics: MetricsSink | None
+
+
+@dataclass(slots=True, eq=False)  # one per connection, kept in sets: identity, not value
+class Intercepted:
+    """One client connection the front door handed over, from hand-over to close line."""
+
+    destination: Destination
+    transport: asyncio.Transport  # the client's: closing it ends the connection, whatever stage
+    opened: float = field(default_factory=time.monotonic)
+    counted: Bytes = field(default_factory=Bytes)
+    client_id: str = ""  # mitmproxy's Client.id, once its handler exists
+    protocol: str = ""  # the audit label: the destination's, "wss" once upgraded
+    # (host, port) as mitmproxy dials it -> the checked addresses of the last request there.
+    vetted: dict[tuple[str, int], tuple[str, ...]] = field(default_factory=dict)
+    pinned: tuple[str, ...] = ()  # of the last decided request
+    upstream: str | None = None  # the address last connected to
+    upgraded: str | None = None  # the URL whose request opened a WebSocket, for reloads
+    tls_failure: str | None = None  # the last failed upstream handshake's message, unanswered
+    close_reason: str = "closed"
+    head_timer: asyncio.TimerHandle | None = None  # until the first request head arrives
+
+    def __post_init__(self) -> None:
+        self.protocol = self.protocol or self.destination.protocol
+        self.pinned = self.pinned or self.destination.pinned
+
+    def end(self, reason: str) -> None:
+        """Closes the client connection (a reload, the drain, a timeout, a failed hook);
+        mitmproxy winds its handler down on the loss, and the close line says `reason`."""
+        if self.close_reason == "closed":
+            self.close_reason = reason
+        self.cancel_head_timer()
+        self.transport.abort()
+
+    def cancel_head_timer(self) -> None:
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+            self.head_timer = None
+
+
+class Ledger:
+    """The engine's live connections by mitmproxy client id, and the dials allowed by server id."""
+
+    def __init__(self) -> None:
+        self.connections: dict[str, Intercepted] = {}
+        self._dials: dict[str, Dial] = {}
+
+    def add(self, client_id: str, connection: Intercepted) -> None:
+        connection.client_id = client_id
+        self.connections[client_id] = connection
+
+    def remove(self, connection: Intercepted) -> None:
+        self.connections.pop(connection.client_id, None)
+
+    def get(self, client_id: str) -> Intercepted | None:
+        return self.connections.get(client_id)
+
+    def allow_dial(self, server_id: str, dial: Dial) -> None:
+        self._dials[server_id] = dial
+
+    def take_dial(self, server_id: str) -> Dial | None:
+        """The dial allowed for this upstream connection, once; None: it was never allowed."""
+        return self._dials.pop(server_id, None)
+
+    def forget_dial(self, server_id: str) -> None:
+        self._dials.pop(server_id, None)
