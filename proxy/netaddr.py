@@ -63,23 +63,18 @@ def parse_dns_listener(text: str) -> Listener:
     return Listener("dns", host, port)
 
 
-def check_listeners(listeners: list[Listener], *, engine_only: bool = False) -> None:
+def check_listeners(listeners: list[Listener]) -> None:
     """Two listeners on one address would fail to bind later, less clearly. A DNS listener
     takes its port for TCP too, so it clashes with a proxy listener on the same address. Port
-    0 picks a free port for each listener (a DNS listener one port free for UDP and TCP both),
-    except that mitmproxy refuses port 0 twice on one host: with `--engine-only` it serves every
-    proxy listener (never the DNS ones)."""
+    0 picks a free port for each listener (a DNS listener one port free for UDP and TCP both)."""
     seen: dict[tuple[str, int], Listener] = {}
     for listener in listeners:
-        in_engine = engine_only and listener.scheme != "dns"
-        if not listener.port and not in_engine:
+        if not listener.port:
             continue
         key = (listener.host, listener.port)
         if key in seen:
             raise ProxyError(
-                "invalid_listen",
-                f"{listener} and {seen[key]} use the same address"
-                + (" (give each its own port)" if not listener.port else ""),
+                "invalid_listen", f"{listener} and {seen[key]} use the same address"
             )
         seen[key] = listener
 

@@ -107,11 +107,13 @@ async def test_allowed_a_and_aaaa_are_answered_with_the_checked_addresses_of_the
     # One lookup of A and AAAA with our resolver (the answer the proxy checks), then its cache.
     assert dns.count("ok.test", "A") == 1 and dns.count("ok.test", "AAAA") == 1
     lines = responder.lines()
-    assert [(x["protocol"], x["stage"], x["decision"], x["method"]) for x in lines[:2]] == [
-        ("dns", "name", "allow", "A"),
+    # One line per decision: the allow, at the address stage, with the rule and the addresses.
+    assert [(x["protocol"], x["stage"], x["decision"], x["method"]) for x in lines] == [
         ("dns", "address", "allow", "A"),
+        ("dns", "address", "allow", "AAAA"),
     ]
     assert lines[0]["host"] == "ok.test" and lines[0]["rule"] == "network.egress[0]"
+    assert sorted(lines[0]["pinned"]) == ["192.0.2.10", "192.0.2.11"]
     assert responder.count("A", "NOERROR") == 1 and responder.count("AAAA", "NOERROR") == 1
 
 

@@ -445,15 +445,3 @@ def test_bad_dns_listen_exits_2_before_anything_runs(
     code = main(["run", "examples/agent.yaml", *argv])
     assert code == 2
     assert message in capsys.readouterr().err
-
-
-def test_engine_only_sessions_are_answered_by_the_same_dns_server(
-    tmp_path: Path, dns: DNSServer
-) -> None:
-    args = ("--engine-only", "--dns-listen", f"{LOOPBACK}:0", "--dns-listen", f"{LOOPBACK}:0")
-    with responder(tmp_path, dns, *args) as proxy:
-        for port in dns_ports(proxy):
-            assert addresses(ask(port, "other.test", tcp=True)) == ["192.0.2.30"]
-            assert rcode(ask(port, "denied.test")) == "REFUSED"
-        assert metric_value(proxy.metrics(), "egress_engine_loaded") == 1  # for the proxy port
-        assert {x["plane"] for x in proxy.decisions()} == {"l4"}

@@ -63,34 +63,30 @@ def test_bad_listeners_are_refused(text: str, message: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("listeners", "engine_only", "clash"),
+    ("listeners", "clash"),
     [
         # A DNS listener binds TCP on its port too.
-        (["http://127.0.0.1:53", "dns:127.0.0.1:53"], False, True),
-        (["transparent://[::1]:15001", "dns:[::1]:15001"], False, True),
-        (["transparent://127.0.0.1:15001", "http://127.0.0.1:15001"], False, True),
-        (["transparent://127.0.0.1:15001", "transparent://[::1]:15001"], False, False),
-        # Port 0: a free port each (a DNS listener one free for UDP and TCP both), except twice
-        # on one host for the listeners mitmproxy serves under --engine-only (never DNS ones).
-        (["http://127.0.0.1:0", "transparent://127.0.0.1:0", "dns:127.0.0.1:0"], False, False),
-        (["dns:127.0.0.1:0", "dns:127.0.0.1:0"], False, False),
-        (["dns:127.0.0.1:0", "dns:127.0.0.1:0", "http://127.0.0.1:0"], True, False),
-        (["dns:127.0.0.1:0", "dns:[::1]:0"], False, False),
-        (["dns:127.0.0.1:5353", "dns:127.0.0.1:5353"], False, True),
-        (["http://127.0.0.1:0", "socks5://127.0.0.1:0"], True, True),
+        (["http://127.0.0.1:53", "dns:127.0.0.1:53"], True),
+        (["transparent://[::1]:15001", "dns:[::1]:15001"], True),
+        (["transparent://127.0.0.1:15001", "http://127.0.0.1:15001"], True),
+        (["transparent://127.0.0.1:15001", "transparent://[::1]:15001"], False),
+        # Port 0: a free port each (a DNS listener one free for UDP and TCP both).
+        (["http://127.0.0.1:0", "transparent://127.0.0.1:0", "dns:127.0.0.1:0"], False),
+        (["dns:127.0.0.1:0", "dns:127.0.0.1:0", "http://127.0.0.1:0"], False),
+        (["http://127.0.0.1:0", "socks5://127.0.0.1:0"], False),
+        (["dns:127.0.0.1:0", "dns:[::1]:0"], False),
+        (["dns:127.0.0.1:5353", "dns:127.0.0.1:5353"], True),
     ],
 )
-def test_listeners_that_would_clash_are_refused(
-    listeners: list[str], engine_only: bool, clash: bool
-) -> None:
+def test_listeners_that_would_clash_are_refused(listeners: list[str], clash: bool) -> None:
     parsed = [
         parse_dns_listener(x[4:]) if x.startswith("dns:") else parse_listener(x) for x in listeners
     ]
     if clash:
         with pytest.raises(ProxyError, match="use the same address"):
-            check_listeners(parsed, engine_only=engine_only)
+            check_listeners(parsed)
     else:
-        check_listeners(parsed, engine_only=engine_only)
+        check_listeners(parsed)
 
 
 @pytest.mark.parametrize(

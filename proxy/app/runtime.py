@@ -158,9 +158,6 @@ class Runtime:
             ) from None
         self.resolver = resolver
         try:
-            if self.dns_listen:
-                # proxy/dns/server.py serves these; the engine no longer does.
-                raise ProxyError("usage", "--dns-listen is not served by this build")
             ca = None
             if engine_needed(self.compiled.policy, config):
                 # Load it now, with its CA, so any problem stops start-up before anything
