@@ -113,7 +113,7 @@ async def test_allowed_a_and_aaaa_are_answered_with_the_checked_addresses_of_the
         ("dns", "address", "allow", "AAAA"),
     ]
     assert lines[0]["host"] == "ok.test" and lines[0]["rule"] == "network.egress[0]"
-    assert sorted(lines[0]["pinned"]) == ["192.0.2.10", "192.0.2.11"]
+    assert sorted(lines[0]["pinned"]) == ["192.0.2.10", "192.0.2.11", "2001:db8::10"]
     assert responder.count("A", "NOERROR") == 1 and responder.count("AAAA", "NOERROR") == 1
 
 
