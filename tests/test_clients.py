@@ -224,9 +224,9 @@ def test_allowed_tunnel_reaches_the_real_upstream(
 
     lines = [line for line in proxy.audit()[before_lines:] if line["event"] == "decision"]
     assert all(line["host"] == "tls.test" and line["decision"] == "allow" for line in lines)
-    assert [line["stage"] for line in lines] == ["name", "address", "sni"] * 3, lines
+    assert [line["stage"] for line in lines] == ["sni"] * 3, lines  # one line per decision
     assert {line["reason"] for line in lines} == {"allowed"}
-    assert lines[1]["pinned"] == ["127.0.0.1"] and lines[2]["sni"] == "tls.test"
+    assert lines[0]["pinned"] == ["127.0.0.1"] and lines[0]["sni"] == "tls.test"
 
 
 # -- 2. a denied name ------------------------------------------------------------------------
@@ -299,12 +299,14 @@ def test_refused_answer_is_403_and_nothing_is_dialled(
         assert plain.status == 403 and plain.headers["x-egress-denied"] == reason
     assert upstream.snapshot() == before  # no connection, no byte
 
-    # Per request: the name allowed, then the answer refused, with every address it held.
+    # Per request one line: the answer refused, with the rule that admitted the name and every
+    # address the answer held.
     lines = decisions_for(proxy, host)
     requests = 2 if loopback_only else 1
     stages = [(line["stage"], line["decision"]) for line in lines]
-    assert stages == [("name", "allow"), ("address", "deny")] * requests, lines
-    for line in lines[1::2]:
+    assert stages == [("address", "deny")] * requests, lines
+    for line in lines:
+        assert line["rule"] is not None
         assert line["reason"] == reason
         assert sorted(line["resolved"]) == sorted(a + aaaa) and line["pinned"] == []
 
@@ -375,10 +377,8 @@ def test_metrics_and_audit_account_for_every_decision(
         key = (line["decision"], line["reason"], line["stage"])
         counted[key] = counted.get(key, 0) + 1
     assert counted == {
-        # tls.test twice, other.test once (the client refused its certificate after the gate),
-        # loopback.refused.test and both SNI-gated tunnels at the name and address stages.
-        ("allow", "allowed", "name"): 6,
-        ("allow", "allowed", "address"): 5,
+        # One line per decision: tls.test twice and other.test once (the client refused its
+        # certificate after the gate) allowed at the SNI gate; the rest denied where they were.
         ("allow", "allowed", "sni"): 3,
         ("deny", "not_allowed", "name"): 1,
         ("deny", "loopback", "address"): 1,

@@ -262,17 +262,21 @@ async def test_allowed_connect_passes_tls_through_to_the_verified_upstream(
     assert {q[0] for q in dns.queries} == {"tls.test"}
     assert resolved_by_os == []
     decisions = door.decisions()
-    assert [(x["stage"], x["decision"], x["reason"]) for x in decisions] == [
-        ("name", "allow", "allowed"),
-        ("address", "allow", "allowed"),
-        ("sni", "allow", "allowed"),
-    ]
-    assert all(
-        (x["plane"], x["protocol"], x["connection"]) == ("l4", "connect", close["connection"])
-        for x in decisions
+    # One decision, one line: the allow at the tunnel's last stage, naming all it went through.
+    (decision,) = decisions
+    assert (decision["stage"], decision["decision"], decision["reason"]) == (
+        "sni",
+        "allow",
+        "allowed",
     )
-    assert decisions[1]["pinned"] == ["127.0.0.1"] and decisions[1]["rule"] == "network.egress[0]"
-    assert decisions[2]["sni"] == "tls.test"
+    assert (decision["plane"], decision["protocol"], decision["connection"]) == (
+        "l4",
+        "connect",
+        close["connection"],
+    )
+    assert decision["pinned"] == ["127.0.0.1"] and decision["resolved"] == ["127.0.0.1"]
+    assert decision["rule"] == "network.egress[0]" and decision["sni"] == "tls.test"
+    assert decision["host"] == "tls.test"
     assert {k: close[k] for k in ("plane", "protocol", "host", "port", "sni", "reason")} == {
         "plane": "l4",
         "protocol": "connect",

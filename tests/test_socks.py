@@ -277,11 +277,9 @@ def test_curl_gets_the_upstream_itself_through_the_front_door(
     assert close["sni"] == "tls.test" and close["reason"] == "closed"
     decisions = session.decisions(port)
     assert [(x["stage"], x["decision"], x["plane"], x["protocol"]) for x in decisions] == [
-        ("name", "allow", "l4", "socks5"),
-        ("address", "allow", "l4", "socks5"),
         ("sni", "allow", "l4", "socks5"),
     ]
-    assert decisions[2]["sni"] == "tls.test"
+    assert decisions[0]["sni"] == "tls.test" and decisions[0]["pinned"]
     assert session.metric("egress_connections_total", plane="l4", protocol="socks5") == before + 1
 
 
