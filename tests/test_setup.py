@@ -72,3 +72,12 @@ def test_the_wheel_holds_every_package_of_the_tree(tmp_path: Path) -> None:
     }
     assert expected - packed == set()
     assert any(name.startswith("proxy/dataplane/") for name in packed)
+
+
+def test_the_version_has_one_source() -> None:
+    """pyproject.toml reads the version from proxy/__init__.py; the installed metadata agrees."""
+    from importlib import metadata
+
+    import proxy
+
+    assert metadata.version("egress-proxy") == proxy.__version__

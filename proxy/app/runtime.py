@@ -41,10 +41,10 @@ import platform
 import signal
 import sys
 from collections.abc import Callable, Sequence
-from importlib import metadata
 from typing import TYPE_CHECKING, Any, TextIO
 
 from policy import Policy, PolicyError
+from proxy import __version__
 from proxy.app.inputs import Compiled, Inputs, compile_inputs
 from proxy.dataplane.frontdoor import FrontDoor
 from proxy.decide.interception import engine_needed
@@ -65,13 +65,6 @@ if TYPE_CHECKING:
 
 # Upper bound of the SIGTERM drain: live connections get min(this, limits.idle_timeout).
 MAX_DRAIN_SECONDS = 5.0
-
-
-def _version() -> str:
-    try:
-        return metadata.version("egress-proxy")
-    except metadata.PackageNotFoundError:
-        return "unknown"
 
 
 class Runtime:
@@ -145,7 +138,7 @@ class Runtime:
     async def run(self) -> int:
         config = self.compiled.config
         self._log_handler = self._log_to_stderr()
-        self.metrics.set_build_info(_version(), platform.python_version())
+        self.metrics.set_build_info(__version__, platform.python_version())
         self.readiness.set("policy_compiled", True)
         self.warn_findings(self.compiled.policy)
         resolver = Resolver.from_config(config)

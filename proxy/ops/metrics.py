@@ -8,7 +8,9 @@ registry would make a second proxy (or a second test) in the same process fail w
 The values are plain numbers in dicts, one per series, and reach prometheus-client only when
 `/metrics` is scraped, through a collector of ours (prometheus-client's extension point for
 exactly this): a metric call sits on every connection's path, several times, and
-prometheus-client's own metric objects take a lock and validate labels on every update.
+prometheus-client's own metric objects take a lock and validate labels on every update. So
+prometheus-client itself is imported only with the first scrape: a session nobody scrapes never
+pays its start-up time and memory.
 
 Label values are bounded: every label comes from a closed set or from a reason-code-shaped
 string, and each label accepts at most `MAX_LABEL_VALUES` distinct values. Anything else is
@@ -26,15 +28,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
-
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import Metric
+
     from policy.decisions import AddressDecision, Decision
 
 PREFIX = "egress_"
@@ -194,8 +191,8 @@ class Metrics:
     connection's path, and a failing one must not turn into a failed (or, worse, an allowed)
     connection. Everything runs on the event loop's thread, scrapes included: no locks."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+    def __init__(self) -> None:
+        self._registry: CollectorRegistry | None = None
         self._decision = _LabelGuard(DECISIONS)
         self._plane = _LabelGuard(PLANES)
         self._reason = _LabelGuard()
@@ -220,7 +217,16 @@ class Metrics:
         for result in RELOAD_RESULTS:
             self._counters[_RELOADS][(result,)] = 0.0
         self._counters[_AUDIT_ERRORS][()] = 0.0
-        self.registry.register(_Collector(self))
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        """This proxy's own registry (made with the first scrape)."""
+        if self._registry is None:
+            from prometheus_client import CollectorRegistry
+
+            self._registry = CollectorRegistry(auto_describe=True)
+            self._registry.register(_Collector(self))
+        return self._registry
 
     def _add(self, spec: _Spec, labels: tuple[str, ...], amount: float = 1.0) -> None:
         series = self._counters[spec]
@@ -299,10 +305,18 @@ class Metrics:
 
     def render(self) -> tuple[bytes, str]:
         """The text exposition and its Content-Type, for the admin `/metrics` endpoint."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
     def families(self) -> Iterator[Metric]:
         """Every metric as prometheus-client's families, for the collector."""
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+
         for spec in _COUNTERS:
             family = CounterMetricFamily(PREFIX + spec.name, spec.help, labels=spec.labels)
             for labels, amount in sorted(self._counters[spec].items()):
