@@ -73,9 +73,7 @@ def check_listeners(listeners: list[Listener]) -> None:
             continue
         key = (listener.host, listener.port)
         if key in seen:
-            raise ProxyError(
-                "invalid_listen", f"{listener} and {seen[key]} use the same address"
-            )
+            raise ProxyError("invalid_listen", f"{listener} and {seen[key]} use the same address")
         seen[key] = listener
 
 

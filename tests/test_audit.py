@@ -293,3 +293,11 @@ def test_events_are_frozen_and_serialisable() -> None:
         event.host = "other"  # type: ignore[misc]
     record = json.loads(event.line(session="s", now=FIXED))
     assert record["time"] == "2026-01-02T03:04:05.678Z"
+
+
+def test_an_unhashable_value_is_written_as_its_text(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    with AuditLog(path) as log:
+        log.decision(decision="deny", reason="x", host=["a", "b"])  # type: ignore[arg-type]
+    [line] = lines_of(path)
+    assert line["host"] == "['a', 'b']" and line["reason"] == "x"

@@ -15,13 +15,12 @@ import logging
 import os
 import socket
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from proxy.decide.events import CloseEvent
 from proxy.decide.interception import Destination
-from proxy.decide.vetting import Peer
+from proxy.decide.vetting import Peer, next_connection_id
 from proxy.errors import ProxyError
 from proxy.net.bytecount import Counter
 from proxy.net.relay import Relay
@@ -91,7 +90,7 @@ class Connection(asyncio.Protocol):
         try:
             address = transport.get_extra_info("peername")
             client = (str(address[0]), int(address[1])) if isinstance(address, tuple) else None
-            self.peer = Peer(client, uuid.uuid4().hex)
+            self.peer = Peer(client, next_connection_id())
             if self.door.admit(self):
                 self.begin()
         except Exception as exc:

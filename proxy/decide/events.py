@@ -31,17 +31,14 @@ Client = str | tuple[str, int] | tuple[str, int, int, int] | None
 
 
 def _timestamp(seconds: float) -> str:
-    """RFC 3339, UTC, millisecond precision, with a `Z` (what most log tooling parses)."""
-    whole = int(seconds // 1)
-    micro = round((seconds - whole) * 1_000_000)  # as datetime rounds
-    if micro >= 1_000_000:
-        whole, micro = whole + 1, micro - 1_000_000
+    """RFC 3339, UTC, to the nearest millisecond, with a `Z` (what most log tooling parses)."""
+    whole, milli = divmod(round(seconds * 1000), 1000)
     second = _LAST_SECOND
     if second[0] != whole:
         # Formatted once per second, not once per line: a busy proxy writes thousands a second.
         second = (whole, datetime.fromtimestamp(whole, UTC).strftime("%Y-%m-%dT%H:%M:%S"))
         globals()["_LAST_SECOND"] = second
-    return f"{second[1]}.{micro // 1000:03d}Z"
+    return f"{second[1]}.{milli:03d}Z"
 
 
 _LAST_SECOND: tuple[int, str] = (-1, "")
@@ -51,8 +48,18 @@ def _client(client: Client) -> str | None:
     """`ip:port`, with IPv6 addresses in brackets so the port stays unambiguous."""
     if client is None or isinstance(client, str):
         return client
-    host, port = client[0], client[1]
-    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+    shown = _CLIENTS.get(client)
+    if shown is None:
+        host, port = client[0], client[1]
+        shown = f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+        if len(_CLIENTS) >= _ENCODED_ENTRIES:
+            _CLIENTS.clear()
+        _CLIENTS[client] = shown
+    return shown
+
+
+# A connection's decision and close lines name the same client: formatted once (bounded).
+_CLIENTS: dict[object, str] = {}
 
 
 class _Fields:
@@ -92,6 +99,11 @@ class _Fields:
     def addresses(self, values: Iterable[object] | None, key: str) -> str:
         if values is None:
             return "null"
+        if type(values) is tuple and len(values) <= 4:
+            # The common answer, a few addresses seen before: their encodings are remembered.
+            known = [_ENCODED.get(value) for value in values]
+            if None not in known:
+                return "[" + ",".join(known) + "]"  # type: ignore[arg-type]
         items: list[str] = []
         for count, value in enumerate(values):
             if count >= MAX_ADDRESSES:
@@ -101,7 +113,7 @@ class _Fields:
             if len(text) > MAX_ADDRESS:
                 text = text[:MAX_ADDRESS]
                 self.cut(key)
-            items.append(_encoded(text))
+            items.append(_encoded(text, MAX_ADDRESS))
         return "[" + ",".join(items) + "]"
 
     def cut(self, key: str) -> None:
@@ -117,23 +129,24 @@ class _Fields:
         return ',"truncated":[' + ",".join(f'"{key}"' for key in self.truncated) + "]}"
 
 
-def _encoded(value: str) -> str:
+def _encoded(value: str, remember: int = MAX_METHOD) -> str:
     """`value` as a JSON string. The same few values (hosts, rules, reasons, planes) recur on
     line after line: short ones are remembered, in a bounded table that starts over when full
-    (its keys come from clients)."""
+    (its keys come from clients). Only values within every text field's cap (the smallest is a
+    method's) are remembered by default, so a remembered value needs no cap check; addresses,
+    written only where their own cap holds, up to theirs."""
     encoded = _ENCODED.get(value)
     if encoded is None:
         encoded = encode_basestring_ascii(value)
-        if len(value) <= _ENCODED_LENGTH:
+        if type(value) is str and len(value) <= remember:
             if len(_ENCODED) >= _ENCODED_ENTRIES:
                 _ENCODED.clear()
             _ENCODED[value] = encoded
     return encoded
 
 
-_ENCODED: dict[str, str] = {}
+_ENCODED: dict[object, str] = {}
 _ENCODED_ENTRIES = 4096
-_ENCODED_LENGTH = 100
 
 
 def _seconds(value: object) -> str:
@@ -148,14 +161,20 @@ def _seconds(value: object) -> str:
 
 def _head(kind: str, event: DecisionEvent | CloseEvent, f: _Fields, session: str | None,
           now: float) -> str:  # fmt: skip
-    """The fields every audit line starts with, in the same order for both kinds."""
+    """The fields every audit line starts with, in the same order for both kinds. Each text is
+    `"null"`, a remembered short encoding, or `_Fields.text`: the first two without a call."""
+    E = _ENCODED
+    client = _client(event.client)
     return (
-        f'{{"time":"{_timestamp(now)}","event":"{kind}","session":{f.text(session, "session")}'
-        f',"connection":{f.text(event.connection, "connection")}'
-        f',"client":{f.text(_client(event.client), "client")}'
-        f',"plane":{f.text(event.plane, "plane")},"protocol":{f.text(event.protocol, "protocol")}'
-        f',"host":{f.text(event.host, "host")},"port":{f.integer(event.port, "port")}'
-        f',"sni":{f.text(event.sni, "sni")}'
+        f'{{"time":"{_timestamp(now)}","event":"{kind}"'
+        f',"session":{"null" if (v := session) is None else E.get(v) or f.text(v, "session")}'
+        f',"connection":{"null" if (v := event.connection) is None else E.get(v) or f.text(v, "connection")}'  # noqa: E501
+        f',"client":{"null" if (v := client) is None else E.get(v) or f.text(v, "client")}'
+        f',"plane":{"null" if (v := event.plane) is None else E.get(v) or f.text(v, "plane")}'
+        f',"protocol":{"null" if (v := event.protocol) is None else E.get(v) or f.text(v, "protocol")}'  # noqa: E501
+        f',"host":{"null" if (v := event.host) is None else E.get(v) or f.text(v, "host")}'
+        f',"port":{"null" if (n := event.port) is None else str(n) if type(n) is int else f.integer(n, "port")}'  # noqa: E501
+        f',"sni":{"null" if (v := event.sni) is None else E.get(v) or f.text(v, "sni")}'
     )
 
 
@@ -209,16 +228,20 @@ class DecisionEvent:
     def line(self, *, session: str | None, now: float) -> str:
         """The audit line (JSON, no newline)."""
         f = _Fields()
+        E = _ENCODED
         return (
             f"{_head('decision', self, f, session, now)}"
-            f',"method":{f.text(self.method, "method", MAX_METHOD)}'
-            f',"path":{f.text(self.path, "path", MAX_PATH)}'
-            f',"decision":{f.text(self.decision, "decision")}'
-            f',"reason":{f.text(self.reason, "reason")},"stage":{f.text(self.stage, "stage")}'
-            f',"rule":{f.text(self.rule, "rule")},"ceiling":{f.text(self.ceiling, "ceiling")}'
+            f',"method":{"null" if (v := self.method) is None else f.text(v, "method", MAX_METHOD)}'
+            f',"path":{"null" if (v := self.path) is None else f.text(v, "path", MAX_PATH)}'
+            f',"decision":{E.get(self.decision) or f.text(self.decision, "decision")}'
+            f',"reason":{E.get(self.reason) or f.text(self.reason, "reason")}'
+            f',"stage":{"null" if (v := self.stage) is None else E.get(v) or f.text(v, "stage")}'
+            f',"rule":{"null" if (v := self.rule) is None else E.get(v) or f.text(v, "rule")}'
+            f',"ceiling":{"null" if (v := self.ceiling) is None else E.get(v) or f.text(v, "ceiling")}'  # noqa: E501
             f',"resolved":{f.addresses(self.resolved, "resolved")}'
             f',"pinned":{f.addresses(self.pinned, "pinned")}'
-            f',"message":{f.text(self.message, "message")}{f.end()}'
+            f',"message":{"null" if (v := self.message) is None else f.text(v, "message")}'
+            f"{f.end()}"
         )
 
 
@@ -243,14 +266,17 @@ class CloseEvent:
     def line(self, *, session: str | None, now: float) -> str:
         """The audit line (JSON, no newline)."""
         f = _Fields()
+        E = _ENCODED
+        up, down = self.bytes_up, self.bytes_down
         return (
             f"{_head('close', self, f, session, now)}"
-            f',"upstream":{f.text(self.upstream, "upstream", MAX_ADDRESS)}'
+            f',"upstream":{"null" if (v := self.upstream) is None else E.get(v) or f.text(v, "upstream", MAX_ADDRESS)}'  # noqa: E501
             f',"pinned":{f.addresses(self.pinned, "pinned")}'
-            f',"bytes_up":{f.integer(self.bytes_up, "bytes_up")}'
-            f',"bytes_down":{f.integer(self.bytes_down, "bytes_down")}'
+            f',"bytes_up":{str(up) if type(up) is int else f.integer(up, "bytes_up")}'
+            f',"bytes_down":{str(down) if type(down) is int else f.integer(down, "bytes_down")}'
             f',"duration_seconds":{_seconds(self.duration)}'
-            f',"reason":{f.text(self.reason, "reason")}{f.end()}'
+            f',"reason":{"null" if (v := self.reason) is None else E.get(v) or f.text(v, "reason")}'
+            f"{f.end()}"
         )
 
 

@@ -10,6 +10,8 @@ A refusal raises `Refused` after its metrics and audit line are written. No mitm
 
 from __future__ import annotations
 
+import itertools
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,6 +46,17 @@ class Resolves(Protocol):
     name, or ProxyError with a DNS reason code."""
 
     async def resolve(self, host: str) -> Answer: ...
+
+
+_SESSION_PREFIX = os.urandom(6).hex()
+_COUNTER = itertools.count(1)
+
+
+def next_connection_id() -> str:
+    """An id for a new connection, unique within the process and, with the random prefix drawn
+    at start, across the session's restarts and the other sessions whose lines are collected
+    together (no random draw per connection: that is a system call on every accept)."""
+    return f"{_SESSION_PREFIX}-{next(_COUNTER):x}"
 
 
 @dataclass(frozen=True, slots=True)

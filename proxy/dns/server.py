@@ -32,14 +32,13 @@ import contextlib
 import errno
 import logging
 import socket
-import uuid
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import dns.message
 
-from proxy.decide.vetting import Peer
+from proxy.decide.vetting import Peer, next_connection_id
 from proxy.dns.answers import FORMERR, DnsQuery, DnsResponder
 from proxy.dns.tcp import TcpConnection
 from proxy.dns.wire import Unanswerable, read_query, render, udp_limit
@@ -272,7 +271,7 @@ class _UdpProtocol(asyncio.DatagramProtocol):
         """`addr` as the socket gave it (an IPv6 one with its flow and scope), for the answer."""
         server, responder = self.server, self.server.responder
         client = (str(addr[0]), int(addr[1]))
-        peer = Peer(client, uuid.uuid4().hex)
+        peer = Peer(client, next_connection_id())
         if server.is_own(*client):
             message = "a DNS message from this server's own address: never answered"
             responder.refuse_message(peer, PROXY_LOOP, message, rcode=None)

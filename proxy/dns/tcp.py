@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import struct
-import uuid
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from proxy.decide.vetting import Peer
+from proxy.decide.vetting import Peer, next_connection_id
 from proxy.dns.answers import DNS_MALFORMED
 from proxy.dns.wire import HEADER, MAX_QUERY, TCP_ANSWER_LIMIT
 from proxy.reasons import HEADER_TIMEOUT, OVERLOAD
@@ -92,7 +91,7 @@ class TcpConnection(asyncio.Protocol):
         self.server = server
         self.limits = server.limits
         self.transport: asyncio.Transport | None = None
-        self.peer = Peer(None, uuid.uuid4().hex)
+        self.peer = Peer(None, next_connection_id())
         self.buffer = bytearray()
         self.in_flight = 0
         self.idle_since: float | None = None  # loop time it became idle, if it is

@@ -45,7 +45,8 @@ async def dial_checked[T](
     for address in addresses:
         started = time.monotonic()
         try:
-            connected = await asyncio.wait_for(connect(address, port), timeout)
+            async with asyncio.timeout(timeout):
+                connected = await connect(address, port)
         except TimeoutError:  # before OSError: TimeoutError is one
             outcome = UPSTREAM_TIMEOUT
         except OSError:

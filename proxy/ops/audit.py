@@ -18,6 +18,7 @@ when a `Metrics` is given) and reported once on stderr.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import time
@@ -83,7 +84,12 @@ class AuditLog:
     def write(self, event: DecisionEvent | CloseEvent) -> None:
         # Written at once, line by line: a client that was refused may read the log the moment
         # it sees the refusal, and its line must be there.
-        self._emit(event.line(session=self.session, now=self._clock()) + "\n")
+        try:
+            line = event.line(session=self.session, now=self._clock())
+        except TypeError:
+            # A caller's bug put an unhashable value in a text field: written as its text.
+            line = _as_text(event).line(session=self.session, now=self._clock())
+        self._emit(line + "\n")
 
     # -- output -------------------------------------------------------------------------------
 
@@ -141,3 +147,13 @@ class AuditLog:
             fd, self._fd = self._fd, None
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+def _as_text(event: DecisionEvent | CloseEvent) -> DecisionEvent | CloseEvent:
+    """`event` with every value that is not a str, int, float, tuple or None turned to text."""
+    changes: dict[str, Any] = {
+        name: str(value)
+        for name in event.__dataclass_fields__
+        if not isinstance(value := getattr(event, name), str | int | float | tuple | type(None))
+    }
+    return dataclasses.replace(event, **changes)
