@@ -26,7 +26,7 @@ import time
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -131,7 +131,9 @@ class _Histogram:
         self.total += value
 
 
-@dataclass(frozen=True, slots=True)
+# eq=False: a spec is the key of its series' dict, hashed on every update; by identity that is one
+# pointer, where a field-wise hash would hash every bucket bound each time.
+@dataclass(frozen=True, slots=True, eq=False)
 class _Spec:
     name: str
     help: str
@@ -182,6 +184,7 @@ _DNS_QUERIES = _Spec(
     ("qtype", "rcode"),
 )
 _AUDIT_ERRORS = _Spec("audit_write_errors", "Audit log lines that could not be written.")
+_LABEL_SETS = 1024
 _COUNTERS = (_DECISIONS, _CONNECTIONS, _BYTES, _RELOADS, _DNS_QUERIES, _AUDIT_ERRORS)
 _HISTOGRAMS = (_DNS_LOOKUP, _UPSTREAM_CONNECT, _DURATION)
 
@@ -206,6 +209,8 @@ class Metrics:
             s: {} for s in _HISTOGRAMS
         }
         self._active: dict[str, int] = {}
+        # The guarded labels of each decision asked for, so a repeat costs one lookup.
+        self._decision_labels: dict[tuple[Any, ...], tuple[str, ...]] = {}
         self._engine = 0
         self._reload_success_time: float | None = None
         self._build: tuple[str, str] | None = None
@@ -246,12 +251,18 @@ class Metrics:
         """One policy decision. `decision` is "allow"/"deny" (or a bool: True is allow)."""
         if isinstance(decision, bool):
             decision = "allow" if decision else "deny"
-        labels = (
-            self._decision(decision),
-            self._reason(reason),
-            self._stage(stage),
-            self._plane(plane),
-        )
+        key = (decision, reason, stage, plane)
+        labels = self._decision_labels.get(key)
+        if labels is None:
+            labels = (
+                self._decision(decision),
+                self._reason(reason),
+                self._stage(stage),
+                self._plane(plane),
+            )
+            if len(self._decision_labels) >= _LABEL_SETS:
+                self._decision_labels.clear()  # its keys can come from clients: bounded
+            self._decision_labels[key] = labels
         self._add(_DECISIONS, labels)
 
     def record(self, decision: Decision | AddressDecision, plane: str = "l7") -> None:
