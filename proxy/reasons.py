@@ -23,6 +23,7 @@ INSPECTION_UNSUPPORTED = "inspection_unsupported"
 UNSUPPORTED_SCHEME = "unsupported_scheme"
 UPSTREAM_REFUSED = "upstream_refused"
 UPSTREAM_TIMEOUT = "upstream_timeout"
+UPSTREAM_ERROR = "upstream_error"  # the upstream closed before its response ended, or sent garbage
 UPSTREAM_TLS = "upstream_tls"  # an inspected upstream's certificate failed verification
 OVERLOAD = "overload"
 HEADER_TIMEOUT = "header_timeout"

@@ -91,7 +91,8 @@ table inet egress_test {{
     assert results["tls_denied"]["ok"] is False
     assert results["tls_no_sni"]["ok"] is False
     assert results["dns_denied_queries"] == 0
-    # Plain HTTP: decided on the Host header by the engine, connected to the name's address.
+    # Plain HTTP: decided on the Host header by the front door's HTTP plane (plane l4), connected
+    # to the name's checked address.
     assert results["http_allowed"]["status"] == "200", diagnostics
     assert results["upstream_hosts"]["http"] == [f"web.test:{http_port}"] * (1 + explicit)
     assert results["http_denied"]["status"] == "403"
@@ -107,11 +108,14 @@ table inet egress_test {{
     assert ("l4", "tls", "deny", "not_allowed") in reasons
     assert ("l4", "tls", "deny", "sni_missing") in reasons
     assert ("l4", "tls", "deny", "no_original_destination") in reasons
-    assert ("l7", "http", "deny", "not_allowed") in reasons
-    allowed = [x for x in decisions if x["protocol"] == "tls" and x["stage"] == "address"]
-    assert all(x["host"] == "tls.test" for x in allowed)
+    assert ("l4", "http", "deny", "not_allowed") in reasons
+    assert ("l4", "http", "allow", "allowed") in reasons
+    assert not any(x["plane"] == "l7" for x in decisions)  # no TLS here needs interception
+    # A tunnel's one allow line is its SNI gate's, naming the host its SNI gave.
+    allowed = [x for x in decisions if x["protocol"] == "tls" and x["decision"] == "allow"]
+    assert allowed and {(x["stage"], x["host"]) for x in allowed} == {("sni", "tls.test")}
     if spelling == "mixed":
-        # One process: the explicit listener (fast path and engine) and the DNS listener.
+        # One process: the explicit listener (CONNECT and plain HTTP) and the DNS listener.
         assert results["explicit_tls"] == {"ok": True, "status": "200"}, diagnostics
         assert results["explicit_denied"] == {"ok": False, "connect": "403"}
         assert results["explicit_http"]["status"] == "200", diagnostics

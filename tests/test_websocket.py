@@ -191,8 +191,8 @@ async def test_path_rules_decide_the_upgrade(dns: DNSServer, echo: EchoServer) -
         assert await client.close() == 1000
         assert [h.target for h in echo.handshakes] == ["/chat/room?x=1"]
         allowed = [x for x in decisions(proxy) if x["decision"] == "allow"]
+        # One decision, one line: the allow is written at its last stage, naming the rule.
         assert [(x["stage"], x["rule"]) for x in allowed] == [
-            ("name", "network_access.allowed[0]"),
             ("address", "network_access.allowed[0]"),
         ]
 
@@ -246,14 +246,15 @@ async def test_wss_upgrades_inside_interception_are_decided_by_path(dns: DNSServ
         assert await client.message() == "over wss"
         assert await client.close() == 1000
         assert [(h.host, h.target) for h in echo.handshakes] == [(f"wss.test:{echo.port}", "/chat")]
-        names = [
-            (x["decision"], x["reason"], x["method"], x["path"])
+        # One line per request: the denial at the name stage (its path), the allow at the last.
+        inside = [
+            (x["stage"], x["decision"], x["reason"], x["method"], x["path"])
             for x in decisions(proxy)
-            if x["stage"] == "name" and x["protocol"] == "https"
+            if x["protocol"] == "https"
         ]
-        assert names == [
-            ("deny", "path_not_allowed", "GET", "/admin"),
-            ("allow", "allowed", "GET", "/chat"),
+        assert inside == [
+            ("name", "deny", "path_not_allowed", "GET", "/admin"),
+            ("address", "allow", "allowed", "GET", "/chat"),
         ]
 
 
@@ -434,10 +435,9 @@ async def test_the_upgrade_is_audited_with_method_and_path(
 
     lines = decisions(proxy)
     assert [(x["stage"], x["decision"], x["method"], x["path"]) for x in lines] == [
-        ("name", "allow", "GET", "/chat?v=2"),
         ("address", "allow", "GET", "/chat?v=2"),
     ]
-    assert lines[1]["rule"] == "network.egress[0]" and lines[1]["pinned"] == ["127.0.0.1"]
+    assert lines[0]["rule"] == "network.egress[0]" and lines[0]["pinned"] == ["127.0.0.1"]
     assert {x["protocol"] for x in lines} == {"http"}
     (close,) = [x for x in proxy.lines() if x["event"] == "close"]
     assert close["upstream"] == f"127.0.0.1:{echo.port}"
@@ -446,9 +446,10 @@ async def test_the_upgrade_is_audited_with_method_and_path(
     assert 50_000 < close["bytes_up"] < 52_000
     assert 50_000 < close["bytes_down"] < 52_000
     text = proxy.metrics.render()[0].decode()
-    for stage in ("name", "address"):
-        labels = f'decision="allow",plane="l7",reason="allowed",stage="{stage}"'
-        assert f"egress_decisions_total{{{labels}}} 1.0" in text, text
+    # Plain HTTP is the front door's (plane l4): one allow, at the address stage.
+    labels = 'decision="allow",plane="l4",reason="allowed",stage="address"'
+    assert f"egress_decisions_total{{{labels}}} 1.0" in text, text
+    assert 'egress_decisions_total{decision="allow",plane="l7"' not in text
 
 
 # -- reload ----------------------------------------------------------------------------------
@@ -477,7 +478,7 @@ async def test_reload_closes_a_live_websocket_the_new_policy_denies(
     assert answer.status == 101
     operator = proxy.engine.policy.operator
     narrower = compile_policy(load_manifest("network:\n  egress: [ws.test]\n"), None, operator)
-    assert len(proxy.engine.set_policy(narrower)) == 1
+    assert len(proxy.set_policy(narrower)) == 1
     await closed_but_the_other_serves(dropped, kept)
     await eventually(lambda: len([x for x in proxy.lines() if x["event"] == "close"]) == 2, "2")
     reasons = sorted((x["host"], x["reason"]) for x in proxy.lines() if x["event"] == "close")

@@ -23,6 +23,7 @@ from proxy.decide.interception import Destination
 from proxy.decide.vetting import Peer, next_connection_id
 from proxy.errors import ProxyError
 from proxy.net.bytecount import Counter
+from proxy.net.pool import Pool
 from proxy.net.relay import Relay
 from proxy.reasons import (
     HEADER_TIMEOUT,
@@ -33,6 +34,7 @@ from proxy.reasons import (
 )
 
 if TYPE_CHECKING:
+    from proxy.dataplane.http import HttpPlane
     from proxy.decide.events import AuditSink, MetricsSink
     from proxy.decide.interception import Interceptor
     from proxy.decide.vetting import Vetted, Vetter
@@ -80,6 +82,7 @@ class Connection(asyncio.Protocol):
         self.vetted: Vetted | None = None  # what vetting found, once it has run
         self.counter = Counter()
         self.counted = False  # connection_opened went to the metrics
+        self.http: HttpPlane | None = None  # the HTTP plane, once the bytes were plain HTTP
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
@@ -271,6 +274,12 @@ class Connection(asyncio.Protocol):
             return True
         return self.door.vetter.still_allowed(self.target, self.pinned, False)
 
+    def quiesce(self) -> None:
+        """The drain began: a plain-HTTP connection takes no further request (an idle one
+        closes now). Anything else is left to finish within the drain's time."""
+        if self.http is not None:
+            self.http.quiesce()
+
     def end(self, reason: str) -> None:
         """Ends the connection from outside (a reload, the drain), whatever stage it is at."""
         self.reason = reason
@@ -355,6 +364,17 @@ class Door:
         self.handoffs: set[asyncio.Task[None]] = set()
         self.own: set[tuple[str, int]] = set()
         self.own_ports: set[int] = set()  # of wildcard listeners: every address is ours
+        self._pool: Pool | None = None
+
+    def http_pool(self) -> Pool:
+        """The idle upstream connections of plain HTTP (made with the first one)."""
+        if self._pool is None:
+            self._pool = Pool(asyncio.get_running_loop())
+        return self._pool
+
+    def close_pool(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
 
     @property
     def live(self) -> int:

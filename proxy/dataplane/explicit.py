@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING
 from proxy.dataplane import tunnel
 from proxy.dataplane.connection import Connection
 from proxy.dataplane.heads import ConnectHead, head_state, parse_connect
+from proxy.dataplane.http import HttpPlane
 from proxy.decide.interception import intercepted
-from proxy.reasons import INTERNAL_ERROR, Refused, authority
+from proxy.reasons import Refused, authority
 
 if TYPE_CHECKING:
     from policy import Decision
@@ -38,9 +39,7 @@ class Explicit(Connection):
         self.connect(head)
 
     def plain_http(self) -> None:
-        # The HTTP plane (proxy/dataplane/http.py) serves these; the engine never does again.
-        refused = Refused(403, INTERNAL_ERROR, "plain HTTP is not served by this build")
-        self.refuse(refused, None, None, stage="request")
+        HttpPlane(self, transparent=False).start()
 
     def connect(self, head: ConnectHead) -> None:
         target = authority(head.host, head.port)

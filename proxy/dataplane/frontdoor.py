@@ -104,6 +104,9 @@ class FrontDoor:
     async def drain(self, timeout: float) -> None:
         """Stop accepting; give live connections up to `timeout` to end, then close them."""
         self.stop_accepting()
+        self.door.close_pool()
+        for connection in list(self.door.connections):
+            connection.quiesce()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while self.door.live and loop.time() < deadline:
@@ -115,6 +118,7 @@ class FrontDoor:
             task.cancel()
         if handoffs:
             await asyncio.wait(handoffs, timeout=5)
+        self.door.close_pool()
 
     def set_policy(self, policy: Policy) -> list[str]:
         """Every later decision uses `policy`; live connections it denies are closed. Returns

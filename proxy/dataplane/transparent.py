@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 
 from proxy.dataplane import tunnel
 from proxy.dataplane.connection import Connection
+from proxy.dataplane.http import HttpPlane
 from proxy.decide.clienthello import ClientHelloError, parse_client_hello, starts_like_tls
 from proxy.decide.interception import intercepted
 from proxy.decide.vetting import canonical_host
 from proxy.net.sockets import original_destination
 from proxy.reasons import (
-    INTERNAL_ERROR,
     INVALID_CLIENT_HELLO,
     NO_ORIGINAL_DESTINATION,
     SNI_MISMATCH,
@@ -90,10 +90,8 @@ class Transparent(Connection):
         self.spawn(self._tunnel(target, self.port, decision))
 
     def plain_http(self) -> None:
-        # The HTTP plane (proxy/dataplane/http.py) serves these; the engine never does again.
         self.protocol = "http"
-        refused = Refused(403, INTERNAL_ERROR, "plain HTTP is not served by this build")
-        self.refuse(refused, None, self.port, stage="request")
+        HttpPlane(self, transparent=True).start()
 
     async def _intercept(self, target: str, port: int, decision: Decision) -> None:
         """The hello is read and gated (its SNI named the host): vetted here, then the

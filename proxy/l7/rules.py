@@ -17,33 +17,22 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mitmproxy import http
-from mitmproxy.net.http import url
 
-from proxy.decide.vetting import canonical_host
-from proxy.reasons import (
-    HOST_MISMATCH,
-    UPGRADE_REFUSED,
-    Refused,
-    authority,
-    refusal_parts,
-    shown,
-)
+from proxy.decide.http_checks import WEBSOCKET, parse_host_field
+from proxy.decide.http_checks import check_host as check_host_fields
+from proxy.decide.http_checks import check_upgrade as check_upgrade_fields
+from proxy.decide.http_checks import upgrade_tokens as tokens_of
+from proxy.reasons import HOST_MISMATCH, Refused, authority, refusal_parts, shown
 
 if TYPE_CHECKING:
     from proxy.decide.interception import Destination
 
-# An upgraded connection's bytes are relayed after the 101; only a WebSocket's were decided.
-WEBSOCKET = "websocket"
+__all__ = ["WEBSOCKET", "check_request", "denial", "is_websocket", "upgrade_tokens"]
 
 
 def upgrade_tokens(headers: http.Headers) -> list[str]:
     """The protocols an Upgrade header asks for, lowercase, in order (all fields joined)."""
-    return [
-        token.strip().lower()
-        for value in headers.get_all("upgrade")
-        for token in value.split(",")
-        if token.strip()
-    ]
+    return tokens_of(headers.get_all("upgrade"))
 
 
 def is_websocket(request: http.Request) -> bool:
@@ -52,49 +41,24 @@ def is_websocket(request: http.Request) -> bool:
 
 
 def check_upgrade(request: http.Request) -> Refused | None:
-    """Every upgrade but WebSocket is refused; so is an h2c upgrade's HTTP2-Settings alone."""
-    tokens = upgrade_tokens(request.headers)
-    if tokens and tokens != [WEBSOCKET]:
-        return Refused(
-            403,
-            UPGRADE_REFUSED,
-            f"upgrade to {shown(', '.join(tokens))!r} refused: only WebSocket is decided per "
-            "request",
-        )
-    if "http2-settings" in request.headers:
-        return Refused(403, UPGRADE_REFUSED, "HTTP2-Settings (an h2c upgrade) refused")
-    if request.headers.get_all("upgrade") and not tokens:
-        return Refused(403, UPGRADE_REFUSED, "an empty Upgrade header refused")
-    return None
-
-
-def _names(value: str, destination: Destination) -> bool:
-    """Whether an authority (`host[:port]`, the port 443 when absent) names the destination."""
-    try:
-        host, port = url.parse_authority(value, check=True)
-    except ValueError:
-        return False
-    return canonical_host(host) == destination.host and (port or 443) == destination.port
+    return check_upgrade_fields(
+        request.headers.get_all("upgrade"), "http2-settings" in request.headers
+    )
 
 
 def check_host(request: http.Request, destination: Destination) -> Refused | None:
     """Exactly one Host header, and it (and an absolute-form target's authority) names the
-    connection's host and port."""
-    where = authority(destination.host, destination.port)
-    hosts = request.headers.get_all("host")
-    if len(hosts) != 1:
-        return Refused(
-            403, HOST_MISMATCH, f"{len(hosts)} Host headers inside the tunnel to {where}"
-        )
-    if not _names(hosts[0], destination):
-        return Refused(
-            403, HOST_MISMATCH, f"Host header {shown(hosts[0])!r} inside the tunnel to {where}"
-        )
+    connection's host and port (443 when a field names none)."""
+    where = f"the tunnel to {authority(destination.host, destination.port)}"
+    host, port = destination.host, destination.port
+    refused = check_host_fields(
+        request.headers.get_all("host"), host, port, default_port=443, where=where
+    )
+    if refused is not None:
+        return refused
     target = request.authority
-    if target and not _names(target, destination):
-        return Refused(
-            403, HOST_MISMATCH, f"request for {shown(target)!r} inside the tunnel to {where}"
-        )
+    if target and parse_host_field(target, 443) != (host, port):
+        return Refused(403, HOST_MISMATCH, f"request for {shown(target)!r} inside {where}")
     return None
 
 

@@ -1,0 +1,505 @@
+"""Plain HTTP through the front door: forward proxying on an explicit listener (absolute-form
+requests) and redirected HTTP on a transparent one (origin form, the name from Host, the port the
+client dialled). The client's bytes are parsed by httptools (llhttp, strict: smuggling refused);
+each request is decided on its own, in order, before anything goes upstream:
+
+1. the request itself: HTTP/1.0 or 1.1, not CONNECT, its target; every upgrade but WebSocket is
+   refused (`upgrade_refused`); exactly one Host field naming the target (`host_mismatch`);
+2. the name stage on `http://host:port/path` (URL-prefix rules read the path as the policy does),
+   DNS once, the address stage and the loop guard (proxy/dataplane/tunnel.py's `vet`);
+3. an idle pooled connection to one of the checked addresses, or a dial of them; then the
+   request's one allow line, and the exchange (proxy/dataplane/http_upstream.py).
+
+A denial is a 403 with X-Egress-Denied that leaves the connection usable, unless the request has
+a body still on its way: then it is answered at once and the connection closed, the body never
+read whole. Bodies stream both ways with flow control. `limits.header_timeout` bounds every
+request head from its first byte; `limits.idle_timeout` a connection on which nothing moves.
+A WebSocket upgrade, once the upstream switched, is relayed as bytes (proxy/net/relay.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from typing import TYPE_CHECKING, Any, Final
+
+import httptools
+
+from proxy.dataplane import tunnel
+from proxy.dataplane.http_messages import (
+    MAX_FIELDS,
+    MAX_HEAD,
+    Fields,
+    RequestHead,
+    body_framing,
+    forwarded_fields,
+    request_head,
+)
+from proxy.dataplane.http_requests import Rejected, Request, destination
+from proxy.dataplane.http_upstream import FAILED, REUSABLE, STALE, SWITCHED, Exchange
+from proxy.decide.http_checks import WEBSOCKET
+from proxy.net.bytecount import IDLE_TIMEOUT
+from proxy.net.dialing import UpstreamError, connect_upstream, dial_checked
+from proxy.net.relay import Relay
+from proxy.reasons import (
+    HEADER_TIMEOUT,
+    INTERNAL_ERROR,
+    INVALID_REQUEST,
+    UPSTREAM_ERROR,
+    UPSTREAM_TIMEOUT,
+    Refused,
+    authority,
+    refusal_response,
+)
+
+if TYPE_CHECKING:
+    from proxy.dataplane.connection import Connection
+
+logger = logging.getLogger(__name__)
+
+# Request body bytes held for a request whose upstream is not connected yet (or for a pipelined
+# request behind another): past this, the client is not read until they have gone on.
+MAX_HELD: Final = 256 << 10
+# A refused request's body is read and dropped for at most this long after the answer, so the
+# client sees the answer rather than a reset for bytes still in flight.
+LINGER: Final = 2.0
+# Methods a stale pooled connection may be retried for (nothing of them was sent or read).
+_RETRIABLE: Final = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
+
+
+class HttpPlane(asyncio.Protocol):
+    """The client transport's protocol once its first bytes turned out to be plain HTTP."""
+
+    def __init__(self, conn: Connection, *, transparent: bool) -> None:
+        self.conn = conn
+        self.door = conn.door
+        self.transport = conn.transport
+        self.transparent = transparent
+        self.loop = asyncio.get_running_loop()
+        self.parser = httptools.HttpRequestParser(self)
+        self.requests: deque[Request] = deque()  # parsed, not yet answered; [0] is served
+        self.parsing: Request | None = None  # the request whose body the parser is in
+        self.url = bytearray()
+        self.fields: Fields = []
+        self.size = 0
+        self.in_head = False
+        self.head_error: Refused | None = None
+        self.upgraded: bytearray | None = None  # bytes after an upgrade request's head
+        self.exchange: Exchange | None = None
+        self.serving: asyncio.Task[None] | None = None
+        self.closing = False  # no request after the current one
+        self.lingering = False
+        self.last_moved = self.loop.time()
+        self.head_timer: asyncio.TimerHandle | None = None
+        self.idle_timer: asyncio.TimerHandle | None = None
+
+    # -- taking over ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        conn = self.conn
+        conn.cancel_timer()
+        conn.owned = True
+        conn.http = self
+        self.transport.set_protocol(self)
+        self.transport.set_write_buffer_limits(high=256 << 10)
+        limit = self.door.config.limits.idle_timeout
+        self.idle_timer = self.loop.call_at(self.last_moved + limit, self._idle_check)
+        data = bytes(conn.buffer)
+        conn.buffer.clear()
+        self.data_received(data)
+        if conn.client_eof:
+            self.eof_received()
+        self.transport.resume_reading()
+
+    # -- asyncio.Protocol: the client --------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        self.moved()
+        if self.lingering:
+            return
+        if self.upgraded is not None:
+            self.upgraded += data  # for the WebSocket, once switched
+            if len(self.upgraded) > MAX_HELD:
+                self.transport.pause_reading()
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade as upgrade:
+            self.upgraded = bytearray(data[upgrade.args[0] :])
+        except httptools.HttpParserCallbackError as exc:
+            if self.head_error is None:
+                self.fail(exc.__context__ or exc)
+                return
+            self.refuse_unparsed(self.head_error)
+        except httptools.HttpParserError as exc:
+            self.refuse_unparsed(Refused(400, INVALID_REQUEST, f"invalid HTTP request: {exc}"))
+        except Exception as exc:
+            self.fail(exc)
+
+    def eof_received(self) -> bool:
+        self.conn.client_eof = True
+        parsing = self.parsing
+        if (self.exchange is None and not self.requests) or self.in_head:
+            self.close()
+        elif parsing is not None and not parsing.ended:
+            self.close()  # a body cut short: nothing of it may look whole upstream
+        else:
+            self.closing = True  # the answers still due are written, then the connection goes
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.conn.gone = True
+        self._stop_timers()
+        if self.serving is not None and not self.serving.done():
+            self.serving.cancel()
+        if self.exchange is not None and not self.exchange.done.done():
+            self.exchange.transport.abort()
+        if self.conn.relay is None:
+            self.conn.finish(self.conn.reason)
+
+    def pause_writing(self) -> None:
+        if self.exchange is not None:
+            self.exchange.transport.pause_reading()  # the client reads slower than it comes
+
+    def resume_writing(self) -> None:
+        if self.exchange is not None:
+            self.exchange.transport.resume_reading()
+
+    # -- httptools callbacks -----------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self.in_head = True
+        self.url.clear()
+        self.fields = []
+        self.size = 0
+        if self.head_timer is None:
+            limit = self.door.config.limits.header_timeout
+            self.head_timer = self.loop.call_later(limit, self._head_expired)
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+        self._grow(len(url))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.in_head:  # not a trailer: those are dropped
+            self.fields.append((name, value))
+            self._grow(len(name) + len(value) + 4)
+
+    def _grow(self, size: int) -> None:
+        self.size += size
+        if self.size > MAX_HEAD or len(self.fields) > MAX_FIELDS:
+            self.head_error = Refused(431, INVALID_REQUEST, "the request head is too large")
+            raise ValueError(self.head_error.message)
+
+    def on_headers_complete(self) -> None:
+        self.in_head = False
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+            self.head_timer = None
+        parser = self.parser
+        head = RequestHead(
+            method=parser.get_method().decode("ascii"),
+            target=self.url.decode("latin-1"),
+            version=parser.get_http_version(),
+            fields=self.fields,
+            keep_alive=parser.should_keep_alive(),
+        )
+        framing = body_framing(head.fields)
+        has_body, chunked = framing if not isinstance(framing, Refused) else (True, False)
+        request = Request(head, has_body, chunked)
+        request.websocket = parser.should_upgrade()
+        if isinstance(framing, Refused):
+            self.head_error = framing
+        self.parsing = request
+        self.requests.append(request)
+        if len(self.requests) > 1:
+            self.transport.pause_reading()  # pipelined: one at a time
+        if self.serving is None:
+            self.serving = self.loop.create_task(self._serve_all())
+            self.serving.add_done_callback(self._served)
+
+    def on_body(self, data: bytes) -> None:
+        request = self.parsing
+        assert request is not None
+        if request.sink is not None:
+            request.body_started = True
+            request.sink.body(data)
+            return
+        request.pending += data
+        if len(request.pending) > MAX_HELD:
+            self.transport.pause_reading()
+
+    def on_message_complete(self) -> None:
+        request = self.parsing
+        assert request is not None
+        request.ended = True
+        if request.sink is not None:
+            request.sink.body_end()
+        if not request.head.keep_alive:
+            self.closing = True
+
+    # -- serving the requests, one at a time ---------------------------------------------------
+
+    async def _serve_all(self) -> None:
+        while self.requests and not self.conn.gone:
+            request = self.requests[0]
+            keep = await self._serve(request)
+            self.requests.popleft()
+            if not keep or self.closing:
+                if not self.lingering:
+                    self.close()
+                return
+            self.transport.resume_reading()
+        self.serving = None
+
+    def _served(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self.fail(task.exception())  # type: ignore[arg-type]
+
+    async def _serve(self, request: Request) -> bool:
+        """One request, decided and forwarded (or refused); False when the connection ends."""
+        head = request.head
+        conn = self.conn
+        context: dict[str, Any] = {"method": head.method, "path": head.target}
+        host: str | None = None
+        port = conn.port if self.transparent else None
+        try:
+            if self.head_error is not None:
+                raise self._refusal(self.head_error, None, port, "request", context)
+            host, port, path = destination(request, port, context)
+            url = f"http://{authority(host, port)}{path}"
+            vetted = await tunnel.vet(conn, url, port, conn.door.vetter.decide(url), **context)
+            name = vetted.decision.host
+            request.upstream_head = request_head(
+                head.method,
+                path,
+                forwarded_fields(head.fields),
+                chunked=request.chunked,
+                upgrade=request.websocket,
+            )
+            for attempt in range(2):
+                exchange = await self._connect(request, name, port, context, fresh=attempt > 0)
+                if attempt == 0:
+                    conn.door.vetter.allowed(
+                        conn.peer, conn.protocol, stage="address", vetted=vetted, port=port,
+                        **context,
+                    )  # fmt: skip
+                outcome = await self._exchange(exchange)
+                if outcome != STALE:
+                    break
+        except Rejected as rejected:
+            refused = self._refusal(
+                rejected.refused, rejected.host, rejected.port, rejected.stage, context
+            )
+            return self.answer_refusal(request, refused, rejected.host, rejected.port)
+        except Refused as refused:
+            return self.answer_refusal(request, refused, host, port)
+        if outcome == SWITCHED:
+            return True  # the relay has both transports now
+        if outcome == FAILED:
+            return False
+        if outcome == REUSABLE:
+            address = exchange.transport.get_extra_info("peername")[0]
+            self.door.http_pool().put(name, port, address, exchange.transport)
+        else:
+            exchange.transport.close()
+        # A body still arriving goes to the finished exchange, which drops it; the next request
+        # is parsed after it.
+        return not (request.websocket or self.closing)
+
+    def _refusal(
+        self,
+        refused: Refused,
+        host: str | None,
+        port: int | None,
+        stage: str,
+        context: dict[str, Any],
+    ) -> Refused:
+        conn = self.conn
+        conn.door.vetter.refusal(
+            refused, conn.peer, host, port, conn.protocol, stage=stage, **context
+        )
+        return refused
+
+    async def _connect(
+        self, request: Request, name: str, port: int, context: dict[str, Any], *, fresh: bool
+    ) -> Exchange:
+        """An idle pooled connection to a checked address (not for a body that cannot be sent
+        twice), else a dial of the checked addresses; Refused (502/504) after its line."""
+        conn, door = self.conn, self.door
+        pinned = conn.pinned
+        if not fresh and not request.has_body and request.head.method in _RETRIABLE:
+            taken = door.http_pool().take(name, port, pinned)
+            if taken is not None:
+                transport, address = taken
+                conn.upstream = authority(address, port)
+                return Exchange(self, request, transport, reused=True)
+        try:
+            transport, upstream = await dial_checked(
+                name, pinned, port, connect_upstream,
+                timeout=door.config.limits.connect_timeout, metrics=door.metrics,
+            )  # fmt: skip
+        except UpstreamError as exc:
+            status = 504 if exc.reason == UPSTREAM_TIMEOUT else 502
+            refused = Refused(status, exc.reason, exc.message, error=True)
+            raise self._refusal(refused, name, port, "upstream", context) from None
+        address = transport.get_extra_info("peername")
+        conn.upstream = authority(address[0], address[1])
+        exchange = Exchange(self, request, transport, reused=False)
+        early = upstream.take_early()
+        if upstream.lost or upstream.eof or early:
+            transport.abort()
+            message = "the upstream spoke or closed before the request"
+            raise self._refusal(
+                Refused(502, UPSTREAM_ERROR, message, error=True), name, port, "upstream", context
+            )
+        return exchange
+
+    async def _exchange(self, exchange: Exchange) -> str:
+        self.exchange = exchange
+        try:
+            exchange.send()
+            return await exchange.done
+        finally:
+            self.exchange = None
+
+    # -- answers -------------------------------------------------------------------------------
+
+    def closes_after(self, request: Request) -> bool:
+        """Whether the connection ends after `request`'s response."""
+        return self.closing or not request.head.keep_alive or request.websocket
+
+    def answer_refusal(
+        self, request: Request, refused: Refused, host: str | None, port: int | None
+    ) -> bool:
+        """The refusal's answer; True when the connection goes on to the next request."""
+        body_due = not request.ended
+        close = body_due or refused.error or self.closes_after(request) or self.upgraded is not None
+        self.write(refusal_response(refused, host or "proxy", port, close=close))
+        self.conn.reason = refused.reason
+        if body_due:
+            self._linger()
+            return False
+        if close:
+            return False
+        self.conn.reason = "client_closed"
+        return True
+
+    def refuse_unparsed(self, refused: Refused) -> None:
+        """A request the parser refused (or one too large): answered when no response is on its
+        way, the connection closed either way."""
+        context: dict[str, Any] = {}
+        if self.url:
+            context["path"] = self.url.decode("latin-1")
+        self._refusal(
+            refused, None, self.conn.port if self.transparent else None, "request", context
+        )
+        if self.exchange is None and not self.requests:
+            self.write(refusal_response(refused, "proxy", None, close=True))
+        self.conn.reason = refused.reason
+        self.close()
+
+    def failed_exchange(
+        self, request: Request, refused: Refused, *, stage: str, answered: bool
+    ) -> None:
+        """An exchange ended in error (proxy/dataplane/http_upstream.py): its line; the 502
+        when nothing of the response went out, else the client is cut off."""
+        conn = self.conn
+        host, port = conn.host, conn.port
+        context = {"method": request.head.method, "path": request.head.target}
+        self._refusal(refused, host, port, stage, context)
+        conn.reason = refused.reason
+        if answered:
+            self.transport.abort()
+            return
+        self.write(refusal_response(refused, host or "proxy", port, close=True))
+        self.close()
+
+    def write(self, data: bytes) -> None:
+        if not self.conn.gone:
+            self.transport.write(data)
+            self.conn.counter.down += len(data)
+            self.conn.answered = True
+            self.moved()
+
+    def switch(self, exchange: Exchange, rest: bytes) -> None:
+        """The upstream switched to WebSocket: both transports go to a relay."""
+        conn = self.conn
+        conn.protocol = "ws"
+        self._stop_timers()
+        relay = Relay(
+            self.loop, self.transport, exchange.transport, conn.counter,
+            self.door.config.limits.idle_timeout, conn.finish,
+        )  # fmt: skip
+        conn.relay = relay
+        relay.start(
+            to_upstream=bytes(self.upgraded or b""), to_client=rest, client_eof=conn.client_eof
+        )
+
+    # -- ends ----------------------------------------------------------------------------------
+
+    def moved(self) -> None:
+        self.last_moved = self.loop.time()
+
+    def close(self) -> None:
+        self._stop_timers()
+        if not self.conn.gone:
+            self.transport.close()
+
+    def quiesce(self) -> None:
+        """The drain: an idle connection goes now, a busy one after its response."""
+        self.closing = True
+        if self.serving is None and not self.in_head:
+            self.conn.reason = "shutdown"
+            self.close()
+
+    def fail(self, exc: BaseException) -> None:
+        """Fail closed: a bug of ours on this connection is a denial (or, mid-response, a cut)."""
+        logger.error("egress: the HTTP plane failed on a connection", exc_info=exc)
+        refused = Refused(403, INTERNAL_ERROR, f"internal error: {type(exc).__name__}")
+        conn = self.conn
+        try:
+            self._refusal(refused, conn.host, conn.port, "engine", {})
+            if not self.conn.answered:
+                self.write(refusal_response(refused, conn.host or "proxy", conn.port))
+            conn.reason = INTERNAL_ERROR
+        finally:
+            if self.exchange is not None:
+                self.exchange.transport.abort()
+            self.close()
+
+    def _linger(self) -> None:
+        """Answered while the client still sends a body: its bytes are dropped for a moment, so
+        it reads the answer instead of a reset; then the connection closes."""
+        self.lingering = True
+        self._stop_timers()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(LINGER, self.close)
+
+    def _head_expired(self) -> None:
+        self.head_timer = None
+        refused = Refused(408, HEADER_TIMEOUT, "no whole request head within the time limit")
+        self.refuse_unparsed(refused)
+
+    def _idle_check(self) -> None:
+        limit = self.door.config.limits.idle_timeout
+        deadline = self.last_moved + limit
+        if self.loop.time() < deadline:
+            self.idle_timer = self.loop.call_at(deadline, self._idle_check)
+            return
+        self.idle_timer = None
+        self.conn.reason = IDLE_TIMEOUT
+        if self.exchange is not None:
+            self.exchange.transport.abort()
+        self.close()
+
+    def _stop_timers(self) -> None:
+        for timer in (self.head_timer, self.idle_timer):
+            if timer is not None:
+                timer.cancel()
+        self.head_timer = self.idle_timer = None
+
+
+__all__ = ["WEBSOCKET", "HttpPlane"]

@@ -1,0 +1,110 @@
+"""One plain-HTTP request as the HTTP plane holds it, and where it asks to go: the checks a
+request passes before its destination is decided (HTTP/1.0 or 1.1, not CONNECT, its target,
+the upgrade rule, exactly one Host naming the target). Pure: a failed check raises `Rejected`
+with the stage it failed at; the plane writes its line and answers.
+
+    host, port, path = destination(request, original_port, context)   # or raises Rejected
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from proxy.dataplane.http_messages import RequestHead, absolute_target, has_field
+from proxy.decide.http_checks import check_host, check_upgrade, parse_host_field
+from proxy.reasons import (
+    HOST_MISMATCH,
+    INVALID_REQUEST,
+    UPGRADE_REFUSED,
+    Refused,
+    authority,
+    shown,
+)
+
+if TYPE_CHECKING:
+    from proxy.dataplane.http_upstream import Exchange
+
+
+class Request:
+    """One request as the client's parser gave it: its head, and its body as it arrives (held
+    in `pending` until an exchange takes it as `sink`)."""
+
+    __slots__ = (
+        "body_started",
+        "chunked",
+        "ended",
+        "has_body",
+        "head",
+        "pending",
+        "sink",
+        "upstream_head",
+        "websocket",
+    )
+
+    def __init__(self, head: RequestHead, has_body: bool, chunked: bool) -> None:
+        self.head = head
+        self.has_body = has_body
+        self.chunked = chunked
+        self.pending = bytearray()
+        self.ended = False  # the whole body (or none) was received
+        self.body_started = False  # some of the body went upstream
+        self.sink: Exchange | None = None
+        self.upstream_head = b""
+        self.websocket = False
+
+
+class Rejected(Exception):
+    """A request refused before its destination was decided, and the stage that refused it."""
+
+    def __init__(self, refused: Refused, stage: str, host: str | None, port: int | None) -> None:
+        super().__init__(refused.message)
+        self.refused = refused
+        self.stage = stage
+        self.host = host
+        self.port = port
+
+
+def destination(
+    request: Request, original_port: int | None, context: dict[str, Any]
+) -> tuple[str, int, str]:
+    """Host (as written), port and path (as sent) of a request: from its absolute-form target
+    on an explicit listener (`original_port` None), from its Host field and the port the client
+    dialled on a transparent one. Sets `context["path"]` to the path as an origin reads it.
+    Raises Rejected."""
+    head = request.head
+    port = original_port
+    if head.version not in ("1.0", "1.1"):
+        raise Rejected(
+            Refused(400, INVALID_REQUEST, f"HTTP/{shown(head.version)}"), "request", None, port
+        )
+    if head.method == "CONNECT":
+        message = "CONNECT after another request on one connection"
+        raise Rejected(Refused(400, INVALID_REQUEST, message), "request", None, port)
+    hosts = head.values(b"host")
+    if original_port is not None:
+        named = parse_host_field(hosts[0], 80) if len(hosts) == 1 else None
+        if not head.target.startswith("/") or named is None or named[0].startswith("\0"):
+            refused = Refused(
+                403,
+                HOST_MISMATCH,
+                "a redirected request needs an origin-form target and one valid Host header",
+            )
+            raise Rejected(refused, "host", None, port)
+        host, path = named[0], head.target
+        port = original_port
+    else:
+        target = absolute_target(head.target)
+        if isinstance(target, Refused):
+            raise Rejected(target, "request", None, None)
+        host, port, path = target
+    context["path"] = path  # as an origin reads it, from here on
+    upgrade = check_upgrade(head.values(b"upgrade"), has_field(head.fields, b"http2-settings"))
+    if upgrade is None and head.values(b"upgrade") and not request.websocket:
+        upgrade = Refused(403, UPGRADE_REFUSED, "an Upgrade without Connection: upgrade")
+    if upgrade is not None:
+        raise Rejected(upgrade, "request", host, port)
+    where = authority(host, port)
+    mismatch = check_host(hosts, host, port, default_port=80, where=where)
+    if mismatch is not None:
+        raise Rejected(mismatch, "host", host, port)
+    return host, port, path
