@@ -391,18 +391,23 @@ async def test_a_host_without_path_rules_is_intercepted_under_mode_all(
     assert upstream.requests == [("GET /hello?x=1 HTTP/1.1", f"up.test:{upstream.port}")]
     assert proxy.dns.count("up.test", "A") == 1  # at the CONNECT; each request then cached
     assert resolved_by_os == []
+    # One decision, one line: the tunnel's allow at its last stage (the SNI gate), the
+    # request's at its own last one (the address stage); the client that distrusts our
+    # certificate sends no request, so its tunnel has the gate's line alone.
     decisions = [x for x in proxy.lines() if x["event"] == "decision"]
-    first = [(x["plane"], x["protocol"], x["stage"], x["decision"]) for x in decisions[:5]]
-    assert first == [
-        ("l4", "connect", "name", "allow"),
-        ("l4", "connect", "address", "allow"),
+    shapes = [(x["plane"], x["protocol"], x["stage"], x["decision"]) for x in decisions]
+    assert shapes == [
         ("l4", "connect", "sni", "allow"),
-        ("l7", "https", "name", "allow"),
         ("l7", "https", "address", "allow"),
+        ("l4", "connect", "sni", "allow"),
     ]
-    assert decisions[3]["path"] == "/hello?x=1" and decisions[3]["method"] == "GET"
+    tunnel, request = decisions[:2]
+    assert (tunnel["rule"], tunnel["sni"]) == ("network.egress[0]", "up.test")
+    assert tunnel["resolved"] == tunnel["pinned"] == ["127.0.0.1"]
+    assert request["path"] == "/hello?x=1" and request["method"] == "GET"
+    assert request["rule"] == "network.egress[0]" and request["pinned"] == ["127.0.0.1"]
     # One connection id across both planes: the front door's.
-    assert len({x["connection"] for x in decisions[:5]}) == 1
+    assert tunnel["connection"] == request["connection"] != decisions[2]["connection"]
     close, distrusted = await proxy.wait_closes(2)
     assert distrusted["reason"] == "client_tls_failed"
     assert (close["plane"], close["protocol"], close["host"]) == ("l7", "connect", "up.test")
@@ -583,7 +588,12 @@ async def test_keep_alive_reuses_the_pinned_upstream_connection(proxy: Running) 
         assert (status, body) == (200, BODY * 2)
     assert [r[0] for r in upstream.requests] == ["GET /a HTTP/1.1", "GET /b HTTP/1.1"]
     assert upstream.connections == 1  # the upstream connection is reused, by name
-    assert len([x for x in proxy.lines() if x.get("protocol") == "https"]) == 4
+    # Each request is still decided on its own: one allow line each.
+    requests = [x for x in proxy.lines() if x.get("protocol") == "https"]
+    assert [(x["path"], x["stage"], x["decision"]) for x in requests] == [
+        ("/a", "address", "allow"),
+        ("/b", "address", "allow"),
+    ]
 
 
 # -- reload, failing closed, timeouts ---------------------------------------------------------
@@ -710,8 +720,11 @@ async def test_the_engine_serves_a_socks5_hand_over(proxy: Running) -> None:
         await asyncio.wait_for(served, 5)
     (close,) = proxy.closes()
     assert (close["connection"], close["protocol"], close["plane"]) == ("socks-1", "socks5", "l7")
-    names = [x for x in proxy.lines() if x.get("stage") == "name"]
-    assert [(x["protocol"], x["connection"]) for x in names] == [("https", "socks-1")]
+    # The request's one line (its allow, at the address stage) under the hand-over's id.
+    decisions = [x for x in proxy.lines() if x["event"] == "decision"]
+    assert [(x["protocol"], x["stage"], x["connection"]) for x in decisions] == [
+        ("https", "address", "socks-1")
+    ]
 
 
 def test_server_connect_refuses_what_was_not_vetted() -> None:

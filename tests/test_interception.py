@@ -119,15 +119,17 @@ async def test_requests_inside_are_decided_one_by_one(
         assert tls_upstream.requests == [("GET /api/items HTTP/1.1", f"paths.test:{port}")]
         assert dns.count("paths.test", "A") == 1  # resolved once, at the CONNECT
         assert resolved_by_os == []
-        names = [
-            (x["decision"], x["reason"], x["path"])
+        # One line per request: an allow at its last stage (the address), a denial at the
+        # stage that denied it (the name, on its path).
+        requests = [
+            (x["decision"], x["reason"], x["stage"], x["path"])
             for x in proxy.lines()
-            if x["event"] == "decision" and x["protocol"] == "https" and x["stage"] == "name"
+            if x["event"] == "decision" and x["protocol"] == "https"
         ]
-        assert names == [
-            ("allow", "allowed", "/api/items"),
-            ("deny", "path_not_allowed", "/admin"),
-            ("deny", "path_not_allowed", "/api/../admin"),
+        assert requests == [
+            ("allow", "allowed", "address", "/api/items"),
+            ("deny", "path_not_allowed", "name", "/admin"),
+            ("deny", "path_not_allowed", "name", "/api/../admin"),
         ]
 
 
@@ -281,11 +283,6 @@ def test_ca_problems_are_clear_errors(tmp_path: Path) -> None:
 
 
 @pytest.mark.asyncio
-@pytest.mark.xfail(
-    strict=True,
-    reason="the front door's SOCKS5 handshake (proxy/dataplane/socks5.py) is not merged yet: "
-    "its intercepted tunnels reach Door.intercept after the 0x00 reply",
-)
 async def test_socks5_tunnels_are_intercepted_too(
     dns: DNSServer, tmp_path: Path, upstream_ca: trustme.CA, tls_upstream: Upstream
 ) -> None:
@@ -310,10 +307,18 @@ async def test_socks5_tunnels_are_intercepted_too(
             statuses.append(out)
         assert statuses == [b"200", b"403"]
         assert tls_upstream.requests == [("GET /api/items HTTP/1.1", f"paths.test:{port}")]
-        assert {x["protocol"] for x in proxy.lines() if x["event"] == "decision"} == {
-            "socks5",
-            "https",
-        }
+        # Each tunnel's allow at the SOCKS5 SNI gate, then its request decided inside.
+        decisions = [
+            (x["protocol"], x["stage"], x["reason"], x["path"])
+            for x in proxy.lines()
+            if x["event"] == "decision"
+        ]
+        assert decisions == [
+            ("socks5", "sni", "allowed", None),
+            ("https", "address", "allowed", "/api/items"),
+            ("socks5", "sni", "allowed", None),
+            ("https", "name", "path_not_allowed", "/admin"),
+        ]
 
 
 @pytest.mark.asyncio

@@ -209,8 +209,21 @@ def test_a_dns_responder_session_never_imports_mitmproxy(
             assert udp.rcode() == tcp.rcode() and udp.answer == tcp.answer
         assert [str(r) for rrset in udp.answer for r in rrset] == []  # HTTPS: no records
         allowed_and_denied_tunnels(proxy, upstream)
-        # Per transport: name and address lines for tls.test, one line for each other query.
-        assert len([x for x in proxy.decisions() if x["protocol"] == "dns"]) == 8
+        # One line per query and transport: tls.test's A allowed at its last stage (the
+        # address), denied.test refused at its name, the HTTPS type refused as a request.
+        queries = [
+            (x["host"], x["method"], x["stage"], x["reason"])
+            for x in proxy.decisions()
+            if x["protocol"] == "dns"
+        ]
+        assert sorted(queries) == sorted(
+            [
+                ("tls.test", "A", "address", "allowed"),
+                ("denied.test", "A", "name", "not_allowed"),
+                ("tls.test", "HTTPS", "request", "dns_qtype_not_served"),
+            ]
+            * 2
+        )
         assert mitmproxy_modules(proxy) == []
         assert engine_loaded(proxy) == 0
     assert proxy.returncode == 0

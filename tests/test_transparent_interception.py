@@ -73,9 +73,12 @@ def test_transparent_tls_is_intercepted_like_connect(tmp_path: Path, mode: str) 
     audit = results["audit"]
     gates = [x for x in audit if x.get("stage") == "sni" and x["event"] == "decision"]
     assert {(x["plane"], x["protocol"], x["decision"]) for x in gates} == {("l4", "tls", "allow")}
-    requests = {(x["path"], x["reason"]) for x in audit if x.get("protocol") == "https"
-                and x.get("stage") == "name"}  # fmt: skip
-    assert ("/api/x", "allowed") in requests and ("/admin", "path_not_allowed") in requests
+    # One line per request: an allow at its last stage (the address), a denial at the stage
+    # that denied it (the name, on its path).
+    requests = {(x["path"], x["stage"], x["reason"]) for x in audit
+                if x.get("protocol") == "https" and x["event"] == "decision"}  # fmt: skip
+    assert ("/api/x", "address", "allowed") in requests
+    assert ("/admin", "name", "path_not_allowed") in requests
     intercepted = {x["host"] for x in audit if x["event"] == "close" and x["plane"] == "l7"}
     assert intercepted == ({"paths.test"} if mode == "prefixes" else {"paths.test", "whole.test"})
     assert not any(x["reason"] == "inspection_unsupported" for x in audit)

@@ -204,7 +204,12 @@ class RequestGate(_Hooks):
         connection.cancel_head_timer()
         request = flow.request
         destination = connection.destination
-        context: dict[str, Any] = {"method": request.method, "path": request.path}
+        # Every line of a request names the SNI its connection was gated on.
+        context: dict[str, Any] = {
+            "method": request.method,
+            "path": request.path,
+            "sni": destination.sni,
+        }
         target = f"https://{authority(destination.host, destination.port)}{request.path}"
         try:
             refused = check_request(request, destination)
