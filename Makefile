@@ -26,14 +26,14 @@ run: $(STAMP)
 	exec $(VENV)/bin/egress-proxy run examples/agent.yaml --ceiling examples/ceiling.yaml \
 	  --config examples/run-config.yaml
 
-test: $(STAMP)
-	$(VENV)/bin/ruff check policy proxy tests benchmarks
-	$(VENV)/bin/ruff format --check policy proxy tests benchmarks
+test: lint
 	$(PY) -m pytest
 
+# mypy at the lowest Python the project supports (pyproject.toml: [tool.mypy]).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check policy proxy tests benchmarks
 	$(VENV)/bin/ruff format --check policy proxy tests benchmarks
+	$(VENV)/bin/mypy
 
 bench-policy: $(STAMP)
 	$(PY) benchmarks/policy_decide.py

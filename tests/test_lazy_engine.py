@@ -11,8 +11,9 @@ moment.
   connection is then intercepted (plane l7).
 - A session with a SOCKS5 listener serves SOCKS5 tunnels (allowed and denied) in the front
   door too: mitmproxy is never imported.
-- `--dns-listen` is served by our own DNS server: a session that answered DNS over UDP and TCP
-  (and served a tunnel) has never imported mitmproxy.
+- The sidecar's shape (`--dns-listen`, explicit, SOCKS5 and transparent listeners in one
+  process): after answering DNS over UDP and TCP and serving plain HTTP, CONNECT and SOCKS5, it
+  has never imported mitmproxy.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ from dns import query as dnsquery
 from dns_server import DNSServer
 from running import (
     CURL,
+    HELLO,
     LOOPBACK,
     RunningProxy,
     curl,
+    http_upstream,
     imported_modules,
     metric_value,
     wait_for,
@@ -67,6 +70,7 @@ def engine_loaded(proxy: RunningProxy) -> float | None:
 def allowed_and_denied_tunnels(proxy: RunningProxy, upstream: TLSUpstream) -> None:
     """An allowed tunnel (the client verifies the upstream's own certificate) and a denied one,
     then their two close lines."""
+    before = len(proxy.closes())
     url = f"https://tls.test:{upstream.port}/"
     allowed = curl(proxy.port, url, "--cacert", str(upstream.ca_file))
     assert (allowed.connect_status, allowed.status) == (200, 200), allowed.stderr
@@ -74,7 +78,7 @@ def allowed_and_denied_tunnels(proxy: RunningProxy, upstream: TLSUpstream) -> No
     denied = curl(proxy.port, "https://denied.test/")
     assert denied.connect_status == 403
     assert denied.headers["x-egress-denied"] == "not_allowed"
-    wait_for(lambda: len(proxy.closes()) == 2, what="two close lines")
+    wait_for(lambda: len(proxy.closes()) == before + 2, what="two more close lines")
 
 
 def test_a_passthrough_session_never_imports_mitmproxy(
@@ -192,13 +196,37 @@ def test_inspection_mode_all_loads_the_engine_and_intercepts_every_tunnel(
     assert proxy.returncode == 0
 
 
-def test_a_dns_responder_session_never_imports_mitmproxy(
+def test_a_sidecar_session_never_imports_mitmproxy(
     tmp_path: Path, dns: DNSServer, upstream: TLSUpstream
 ) -> None:
-    args = ("--dns-listen", f"{LOOPBACK}:0", "--dns-listen", "[::1]:0")
-    with RunningProxy(
-        tmp_path / "run", MANIFEST, dns=dns, python_flags=IMPORTTIME, args=args
-    ) as proxy:
+    # The shape the sandbox and the Kubernetes sidecar run: DNS, explicit, SOCKS5 and
+    # transparent listeners in one process; it serves DNS, plain HTTP, CONNECT and SOCKS5.
+    args = (
+        *("--dns-listen", f"{LOOPBACK}:0", "--dns-listen", "[::1]:0"),
+        *("--listen", f"http://{LOOPBACK}:0", "--listen", f"socks5://{LOOPBACK}:0"),
+        *("--listen", f"transparent://{LOOPBACK}:0"),
+    )
+    with (
+        http_upstream() as plain,
+        RunningProxy(
+            tmp_path / "run", MANIFEST, dns=dns, python_flags=IMPORTTIME, args=args
+        ) as proxy,
+    ):
+        assert re.search(r" and transparent://127\.0\.0\.1:\d+", proxy.stderr())
+        socks = re.search(r" and socks5://127\.0\.0\.1:(\d+)", proxy.stderr())
+        assert socks, proxy.stderr()
+        served = curl(proxy.port, f"http://up.test:{plain.port}/plain")
+        assert (served.status, served.body) == (200, HELLO.decode()), served
+        refused = curl(proxy.port, f"http://denied.test:{plain.port}/plain")
+        assert refused.headers["x-egress-denied"] == "not_allowed", refused
+        assert plain.requests == ["/plain"]
+        through = subprocess.run(
+            [CURL, "-q", "-sS", "--max-time", "5", "--socks5-hostname", f"127.0.0.1:{socks[1]}",
+             "--cacert", str(upstream.ca_file), f"https://tls.test:{upstream.port}/"],
+            capture_output=True, timeout=15,
+        )  # fmt: skip
+        assert through.stdout == TLS_BODY, through.stderr
+        wait_for(lambda: len(proxy.closes()) == 3, what="three close lines")
         assert "proxy.dns.server" in imported_modules(proxy.stderr())  # the flag took effect
         port = int(proxy.stderr().split(f"dns://{LOOPBACK}:")[1].split()[0])
         port6 = int(proxy.stderr().split("dns://[::1]:")[1].split()[0])
