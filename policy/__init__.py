@@ -18,6 +18,7 @@ from policy.findings import Finding
 from policy.hostnames import check_entry, normalize_host
 from policy.manifests import Manifest, load_manifest
 from policy.operator import OperatorRules, PlatformDestination
+from policy.reasons import Reason
 from policy.rules import Rule
 from policy.urls import Target, parse_target
 
@@ -33,6 +34,7 @@ __all__ = [
     "PlatformDestination",
     "Policy",
     "PolicyError",
+    "Reason",
     "Rule",
     "Target",
     "Verdict",

@@ -16,6 +16,7 @@ from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 
 from policy.errors import PolicyError
 from policy.findings import quote
+from policy.reasons import Reason
 from policy.special_addresses import BLOCKS, METADATA, Block
 
 IPAddress = IPv4Address | IPv6Address
@@ -88,13 +89,15 @@ _NAT64_RFC = "RFC 6052"
 
 # These rows spell an IPv4 destination inside an IPv6 address. Connecting to one would reach a
 # host the IPv4 rules never saw, so they are refused whatever the operator allows.
-_TUNNELS = frozenset({"ipv4_mapped", "ipv4_compatible", "6to4", "teredo", "nat64_local"})
+_TUNNELS = frozenset(
+    {Reason.IPV4_MAPPED, Reason.IPV4_COMPATIBLE, Reason.TO_6TO4, Reason.TEREDO, Reason.NAT64_LOCAL}
+)
 
 
 def _embedded_ipv4(reason: str, value: int) -> str | None:
-    if reason in ("ipv4_mapped", "ipv4_compatible"):
+    if reason in (Reason.IPV4_MAPPED, Reason.IPV4_COMPATIBLE):
         return str(IPv4Address(value & 0xFFFFFFFF))
-    if reason == "6to4":
+    if reason == Reason.TO_6TO4:
         return str(IPv4Address((value >> 80) & 0xFFFFFFFF))
     return None
 
@@ -232,7 +235,7 @@ def classify(address: str | IPAddress, rules: AddressRules | None = None) -> Ver
     ip = parse_address(address)
     if ip is None:
         shown = address if isinstance(address, str) else repr(address)
-        return Verdict(shown, False, "invalid_address", None, "not an IP address", "")
+        return Verdict(shown, False, Reason.INVALID_ADDRESS, None, "not an IP address", "")
     return _classify(ip, _strip_brackets(address), rules)
 
 
@@ -240,14 +243,16 @@ def _classify(ip: IPAddress, text: str, rules: AddressRules | None) -> Verdict:
     value = int(ip)
     metadata = _METADATA.get((ip.version, value))
     if metadata is not None:
-        return Verdict(text, False, "metadata", metadata[0], metadata[1], "")
+        return Verdict(text, False, Reason.METADATA, metadata[0], metadata[1], "")
     if rules is not None:
         denied = rules.match("deny", ip)
         if denied is not None:
-            return Verdict(text, False, "operator_deny", str(denied), "operator deny list", "")
+            return Verdict(text, False, Reason.OPERATOR_DENY, str(denied), "operator deny list", "")
         cluster = rules.match("in_cluster", ip)
         if cluster is not None:
-            return Verdict(text, False, "in_cluster", str(cluster), "operator in-cluster range", "")
+            return Verdict(
+                text, False, Reason.IN_CLUSTER, str(cluster), "operator in-cluster range", ""
+            )
     if ip.version == 6 and value >> 32 == _NAT64_HIGH:
         return _nat64(ip, text, rules)
     table = _TABLE_V4 if ip.version == 4 else _TABLE_V6
@@ -261,7 +266,7 @@ def _classify(ip: IPAddress, text: str, rules: AddressRules | None) -> Verdict:
         allowed = rules.match("allow", ip)
         if allowed is not None:
             name = f"operator allow list (exempts {block.name}, {block.prefix})"
-            return Verdict(text, True, "operator_allow", str(allowed), name, "")
+            return Verdict(text, True, Reason.OPERATOR_ALLOW, str(allowed), name, "")
     return Verdict(
         text, block.globally_reachable, block.reason, block.prefix, block.name, block.rfc
     )
@@ -271,5 +276,5 @@ def _nat64(ip: IPAddress, text: str, rules: AddressRules | None) -> Verdict:
     v4 = IPv4Address(int(ip) & 0xFFFFFFFF)
     inner = _classify(v4, str(v4), rules)
     name = f"NAT64 of {v4} ({inner.name})"
-    reason = inner.reason if inner.public else "nat64"
+    reason = inner.reason if inner.public else Reason.NAT64
     return Verdict(text, inner.public, reason, _NAT64_PREFIX, name, _NAT64_RFC, str(v4))

@@ -11,17 +11,17 @@ import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from policy import decisions as d
 from policy.addresses import AddressRules, Verdict, classify, parse_address
 from policy.decisions import AddressDecision
 from policy.errors import PolicyError
 from policy.hostnames import name_refusal, normalize_host, parse_ip_literal
 from policy.operator import PlatformDestination
+from policy.reasons import Reason
 from policy.rules import Rule
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 # Verdicts that a platform destination's CIDRs never excuse.
-_NEVER_EXEMPT = frozenset({"metadata", "operator_deny", "invalid_address"})
+_NEVER_EXEMPT = frozenset({Reason.METADATA, Reason.OPERATOR_DENY, Reason.INVALID_ADDRESS})
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +51,7 @@ class AnswerChecker:
         if not addresses:
             return AddressDecision(
                 False,
-                d.NO_ADDRESSES,
+                Reason.NO_ADDRESSES,
                 f"{name}: the answer has no address, so there is nothing checked to connect to",
                 name,
                 (),
@@ -75,7 +75,7 @@ class AnswerChecker:
             if refusal is not None:
                 return AddressDecision(
                     False,
-                    d.INTERNAL_CNAME,
+                    Reason.INTERNAL_CNAME,
                     f"{name}: its CNAME chain passes through {alias[:100]!r} ({refusal[0]})",
                     name,
                     (),
@@ -94,7 +94,7 @@ class AnswerChecker:
             return replace(
                 verdict,
                 public=False,
-                reason=d.BLOCKED_ADDRESS,
+                reason=Reason.BLOCKED_ADDRESS,
                 name=f"blocked by {blocked.id}",
                 range=str(blocked.network),
             ), blocked.id
@@ -104,14 +104,14 @@ class AnswerChecker:
                 return replace(
                     verdict,
                     public=False,
-                    reason=d.OUTSIDE_PLATFORM_CIDRS,
+                    reason=Reason.OUTSIDE_PLATFORM_CIDRS,
                     name=f"outside the CIDRs of {platform.id}",
                 ), platform.id
             if not verdict.public and verdict.reason not in _NEVER_EXEMPT:
                 return replace(
                     verdict,
                     public=True,
-                    reason="platform_cidr",
+                    reason=Reason.PLATFORM_CIDR,
                     range=str(inside),
                     name=f"inside the CIDRs of {platform.id}",
                 ), None
@@ -129,7 +129,7 @@ def _answer_decision(
         shown = ", ".join(v.address for v in verdicts)
         return AddressDecision(
             True,
-            d.ALLOWED,
+            Reason.ALLOWED,
             f"{name} -> {shown}: all addresses public",
             name,
             verdicts,
@@ -139,7 +139,7 @@ def _answer_decision(
     if len(refused) < len(verdicts):
         return AddressDecision(
             False,
-            d.MIXED_ANSWER,
+            Reason.MIXED_ANSWER,
             f"{name}: the answer mixes public and refused addresses "
             f"({first.address}: {first.reason}); refused whole",
             name,

@@ -15,7 +15,6 @@ from contextlib import contextmanager
 from functools import cached_property
 from typing import Any
 
-from policy import decisions as d
 from policy.answers import AnswerChecker
 from policy.ceiling import Ceiling
 from policy.decisions import AddressDecision, Decision
@@ -26,6 +25,7 @@ from policy.hostnames import name_refusal, normalize_host, parse_ip_literal
 from policy.manifests import Manifest
 from policy.operator import OperatorRules, PlatformDestination
 from policy.paths import PathDecision, decide_path
+from policy.reasons import Reason
 from policy.rules import Rule
 from policy.trie import Match, SuffixTrie
 from policy.urls import RULE_SCHEME, TLS_SCHEMES, Target, parse_target
@@ -177,7 +177,7 @@ class Policy:
             return Decision(False, exc.reason, exc.message, _shown(shown))
         except Exception as exc:
             return Decision(
-                False, d.INTERNAL_ERROR, f"internal error: {type(exc).__name__}", _shown(shown)
+                False, Reason.INTERNAL_ERROR, f"internal error: {type(exc).__name__}", _shown(shown)
             )
 
     def _decide(self, target: Target) -> Decision:
@@ -204,7 +204,7 @@ class Policy:
             rule = match.block[0].rule
             return Decision(
                 False,
-                d.BLOCKED,
+                Reason.BLOCKED,
                 f"{host} is blocked by {rule.id} {quote(rule.pattern)}",
                 host,
                 port,
@@ -248,7 +248,7 @@ class Policy:
         if inspect and not self.operator.inspection_enabled:
             return Decision(
                 False,
-                d.INSPECTION_DISABLED,
+                Reason.INSPECTION_DISABLED,
                 f"{host} is admitted only for some paths ({grant.rule.id}), which needs "
                 "TLS inspection, and inspection is disabled",
                 host,
@@ -258,7 +258,7 @@ class Policy:
             )
         return Decision(
             True,
-            d.ALLOWED,
+            Reason.ALLOWED,
             f"{host} is allowed by {grant.rule.id}{note}",
             host,
             port,
@@ -274,7 +274,7 @@ class Policy:
             if rule is not None:
                 return Decision(
                     False,
-                    d.OUTSIDE_CEILING,
+                    Reason.OUTSIDE_CEILING,
                     f"{host} is declared by {rule.id} but outside {self.ceiling.label}",
                     host,
                     port,
@@ -283,20 +283,20 @@ class Policy:
         where = (
             "network.egress" if self.manifest.format == "agent.yaml" else "network_access.allowed"
         )
-        return Decision(False, d.NOT_ALLOWED, f"{host} is not allowed by {where}", host, port)
+        return Decision(False, Reason.NOT_ALLOWED, f"{host} is not allowed by {where}", host, port)
 
     def _decide_literal(self, address: Address, port: int | None) -> Decision:
         host = str(address)
         blocked = self._answers.blocking_rule(address)
         if blocked is not None:
             return Decision(
-                False, d.BLOCKED, f"{host} is blocked by {blocked.id}", host, port, blocked.id
+                False, Reason.BLOCKED, f"{host} is blocked by {blocked.id}", host, port, blocked.id
             )
         rule = self._allowed_literals.get(address)
         if rule is None:
             return Decision(
                 False,
-                "ip_literal",
+                Reason.IP_LITERAL,
                 f"{host}: IP addresses are refused; ask for a hostname",
                 host,
                 port,
@@ -304,7 +304,9 @@ class Policy:
         refused_port = self._port_refusal(host, port)
         if refused_port is not None:
             return refused_port
-        return Decision(True, d.ALLOWED, f"{host} is allowed by {rule.id}", host, port, rule.id)
+        return Decision(
+            True, Reason.ALLOWED, f"{host} is allowed by {rule.id}", host, port, rule.id
+        )
 
     def _port_refusal(self, host: str, port: int | None) -> Decision | None:
         ports = self.operator.ports
@@ -312,7 +314,7 @@ class Policy:
             return None
         return Decision(
             False,
-            d.PORT_NOT_ALLOWED,
+            Reason.PORT_NOT_ALLOWED,
             f"{host}: port {port} is not in the operator's port allow-list",
             host,
             port,
@@ -331,7 +333,11 @@ class Policy:
             return self._answers.check(host, addresses, cname_chain)
         except Exception as exc:
             return AddressDecision(
-                False, d.INTERNAL_ERROR, f"internal error: {type(exc).__name__}", _shown(host), ()
+                False,
+                Reason.INTERNAL_ERROR,
+                f"internal error: {type(exc).__name__}",
+                _shown(host),
+                (),
             )
 
 
@@ -339,14 +345,19 @@ def _platform_decision(platform: PlatformDestination, host: str, port: int | Non
     if port is not None and port not in platform.ports:
         return Decision(
             False,
-            d.PORT_NOT_ALLOWED,
+            Reason.PORT_NOT_ALLOWED,
             f"{host}: port {port} is not a port of this platform destination",
             host,
             port,
             platform.id,
         )
     return Decision(
-        True, d.PLATFORM_DESTINATION, f"{host} is a platform destination", host, port, platform.id
+        True,
+        Reason.PLATFORM_DESTINATION,
+        f"{host} is a platform destination",
+        host,
+        port,
+        platform.id,
     )
 
 
@@ -367,19 +378,21 @@ def _path_refusal(
     if decided.verdict == "blocked" and decided.index is not None:
         rule = blocks[decided.index]
         message = f"{where} is blocked by {rule.id} {quote(rule.pattern)}{read_as}"
-        return Decision(False, d.BLOCKED, message, host, port, rule.id)
+        return Decision(False, Reason.BLOCKED, message, host, port, rule.id)
     rule_id = urls[0].rule.id if urls else None
     prefixes = ", ".join(quote(g.rule.pattern) for g in urls[:3])
     if decided.problem is not None:
-        return Decision(False, d.AMBIGUOUS_PATH, f"{host}: {decided.problem}", host, port, rule_id)
+        return Decision(
+            False, Reason.AMBIGUOUS_PATH, f"{host}: {decided.problem}", host, port, rule_id
+        )
     if decided.verdict == "outside":
         message = f"{where} is outside the URL prefixes allowed for this host ({prefixes}){read_as}"
-        return Decision(False, d.PATH_NOT_ALLOWED, message, host, port, rule_id)
+        return Decision(False, Reason.PATH_NOT_ALLOWED, message, host, port, rule_id)
     message = (
         f"{where} is inside the URL prefixes allowed for this host ({prefixes}) as RFC 3986 "
         f"reads it, but not on every server{read_as}: servers disagree on what it names"
     )
-    return Decision(False, d.AMBIGUOUS_PATH, message, host, port, rule_id)
+    return Decision(False, Reason.AMBIGUOUS_PATH, message, host, port, rule_id)
 
 
 def _first[T](*candidates: list[T] | None) -> T | None:

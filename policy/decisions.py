@@ -1,7 +1,7 @@
 """The answers of a Policy: a name-stage Decision and an address-stage AddressDecision.
 
-Reason codes are stable snake_case strings shared by the audit log, metrics and the
-`X-Egress-Denied` header.
+Reason codes are the members of `Reason` (policy/reasons.py, the one catalog): str values shared
+by the audit log, metrics and the `X-Egress-Denied` header.
 """
 
 from __future__ import annotations
@@ -10,28 +10,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from policy.addresses import Verdict
-
-# Name stage, allowed.
-ALLOWED = "allowed"
-PLATFORM_DESTINATION = "platform_destination"
-# Name stage, denied (plus the hostnames codes ip_literal, invalid_host, loopback_name,
-# internal_name, single_label, and the urls codes invalid_target, unsupported_scheme,
-# invalid_port).
-BLOCKED = "blocked"
-NOT_ALLOWED = "not_allowed"
-OUTSIDE_CEILING = "outside_ceiling"
-PORT_NOT_ALLOWED = "port_not_allowed"
-PATH_NOT_ALLOWED = "path_not_allowed"
-# A path servers read differently, or a form refused outright (policy/paths.py).
-AMBIGUOUS_PATH = "ambiguous_path"
-INSPECTION_DISABLED = "inspection_disabled"
-INTERNAL_ERROR = "internal_error"
-# Address stage, denied (plus each address row's own reason when every address is refused).
-MIXED_ANSWER = "mixed_answer"
-NO_ADDRESSES = "no_addresses"
-BLOCKED_ADDRESS = "blocked_address"
-OUTSIDE_PLATFORM_CIDRS = "outside_platform_cidrs"
-INTERNAL_CNAME = "internal_cname"
 
 
 @dataclass(frozen=True, slots=True)

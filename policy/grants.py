@@ -11,12 +11,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from policy import decisions as d
 from policy.ceiling import Ceiling
 from policy.findings import Finding, quote
 from policy.hostnames import is_under
 from policy.manifests import Manifest
 from policy.operator import OperatorRules
+from policy.reasons import Reason
 from policy.rules import Rule
 from policy.trie import SubtreeIndex, suffixes
 
@@ -75,7 +75,7 @@ def deploy_findings(
                 Finding(
                     rule.id,
                     rule.pattern,
-                    d.PLATFORM_DESTINATION,
+                    Reason.PLATFORM_DESTINATION,
                     f"{quote(rule.pattern)} overlaps the platform destination {dest.host!r} "
                     f"({dest.id}); platform routes are provided for you and not declarable",
                     "error",
@@ -108,7 +108,7 @@ def _ceiling_findings(
         Finding(
             rule.id,
             rule.pattern,
-            d.OUTSIDE_CEILING,
+            Reason.OUTSIDE_CEILING,
             f"{quote(rule.pattern)} is outside {ceiling.label}, which admits: {shown}; "
             "declare a name under one of those or ask the administrator to widen it",
             "error",

@@ -28,6 +28,7 @@ import idna
 
 from policy.addresses import parse_address
 from policy.errors import PolicyError
+from policy.reasons import Reason
 
 __all__ = [
     "DEFAULT_INTERNAL_SUFFIXES",
@@ -162,7 +163,7 @@ def normalize_host(raw: str) -> str:
     not a usable name with reason `invalid_host`. Idempotent on every value it accepts.
     """
     if not isinstance(raw, str):
-        raise PolicyError("invalid_host", f"invalid host {_shown(raw)}: not a string")
+        raise PolicyError(Reason.INVALID_HOST, f"invalid host {_shown(raw)}: not a string")
     if raw.isascii():
         name = raw.lower()
     else:
@@ -234,12 +235,12 @@ def _normalize_slow(raw: str, name: str) -> str:
 
 
 def _invalid_host(raw: object, what: str) -> PolicyError:
-    return PolicyError("invalid_host", f"invalid host {_shown(raw)}: {what}")
+    return PolicyError(Reason.INVALID_HOST, f"invalid host {_shown(raw)}: {what}")
 
 
 def _ip_literal(raw: object) -> PolicyError:
     return PolicyError(
-        "ip_literal",
+        Reason.IP_LITERAL,
         f"host {_shown(raw)} is an IP address literal in some spelling (URL parsers read a "
         "name ending in a numeric label as one); ask for the hostname instead",
     )
@@ -263,7 +264,7 @@ def name_refusal(host: str, internal_suffixes: Iterable[str] = ()) -> tuple[str,
     """
     if host == "localhost" or host.endswith(".localhost"):
         return (
-            "loopback_name",
+            Reason.LOOPBACK_NAME,
             f"{host!r} is a loopback name: it always means the sandbox itself",
         )
     suffixes = _suffix_set(tuple(internal_suffixes)) if internal_suffixes else _DEFAULT_SET
@@ -272,7 +273,7 @@ def name_refusal(host: str, internal_suffixes: Iterable[str] = ()) -> tuple[str,
         candidate = host[start:]
         if candidate in suffixes:
             return (
-                "internal_name",
+                Reason.INTERNAL_NAME,
                 f"{host!r} is under {candidate!r}, a name for the sandbox, the cluster or "
                 "special use, never a public destination",
             )
@@ -282,7 +283,7 @@ def name_refusal(host: str, internal_suffixes: Iterable[str] = ()) -> tuple[str,
         start = dot + 1
     if "." not in host:
         return (
-            "single_label",
+            Reason.SINGLE_LABEL,
             f"{host!r} is a single label: a hostname needs at least two labels "
             "(a bare label resolves against local search domains)",
         )

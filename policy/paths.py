@@ -43,8 +43,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from policy.decisions import AMBIGUOUS_PATH
 from policy.errors import PolicyError
+from policy.reasons import Reason
 
 _UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
 _HEX = frozenset("0123456789abcdefABCDEF")
@@ -149,14 +149,14 @@ def canonical_prefix(path: str) -> str:
     lexed = _lex(path)
     if _PARAMS.search(lexed):
         raise PolicyError(
-            AMBIGUOUS_PATH,
+            Reason.AMBIGUOUS_PATH,
             f"path {_shown(path)} has ';parameters', which servers that drop them never see: "
             "write the prefix without them",
         )
     segments = lexed.split("/")[1:]
     if any(s.endswith((".", _SPACE)) for s in segments if s not in _DOTS):
         raise PolicyError(
-            AMBIGUOUS_PATH,
+            Reason.AMBIGUOUS_PATH,
             f"path {_shown(path)} has a name ending in a dot or a space, which Windows servers "
             "drop: write the prefix without it",
         )
@@ -360,7 +360,8 @@ def _char(ch: str) -> str:
 
 def _ambiguous(path: str, why: str) -> PolicyError:
     return PolicyError(
-        AMBIGUOUS_PATH, f"path {_shown(path)} is refused: {why}; servers disagree on what it names"
+        Reason.AMBIGUOUS_PATH,
+        f"path {_shown(path)} is refused: {why}; servers disagree on what it names",
     )
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from policy.errors import PolicyError
 from policy.names import _is_ipv6_spelling
+from policy.reasons import Reason
 
 DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
 # WebSocket upgrades are decided by the HTTP rules of the request that opens them.
@@ -42,7 +43,9 @@ class Target:
 
 def parse_port(text: str, what: str = "port") -> int:
     if not _PORT.fullmatch(text) or not 0 < int(text) < 65536:
-        raise PolicyError("invalid_port", f"{what} {text[:20]!r} is not a number from 1 to 65535")
+        raise PolicyError(
+            Reason.INVALID_PORT, f"{what} {text[:20]!r} is not a number from 1 to 65535"
+        )
     return int(text)
 
 
@@ -54,21 +57,23 @@ def split_authority(authority: str) -> tuple[str, int | None]:
     if authority.startswith("["):
         end = authority.find("]")
         if end < 0:
-            raise PolicyError("invalid_target", f"unclosed '[' in {authority[:100]!r}")
+            raise PolicyError(Reason.INVALID_TARGET, f"unclosed '[' in {authority[:100]!r}")
         host, rest = authority[1:end], authority[end + 1 :]
         if not _is_ipv6_spelling(host):
             raise PolicyError(
-                "invalid_host",
+                Reason.INVALID_HOST,
                 f"invalid host {authority[: end + 1][:100]!r}: brackets hold an IPv6 address "
                 "and nothing else",
             )
         if not rest:
             return host, None
         if not rest.startswith(":"):
-            raise PolicyError("invalid_target", f"unexpected text after ']' in {authority[:100]!r}")
+            raise PolicyError(
+                Reason.INVALID_TARGET, f"unexpected text after ']' in {authority[:100]!r}"
+            )
         return host, parse_port(rest[1:])
     if "]" in authority:
-        raise PolicyError("invalid_host", f"invalid host {authority[:100]!r}: a stray ']'")
+        raise PolicyError(Reason.INVALID_HOST, f"invalid host {authority[:100]!r}: a stray ']'")
     if authority.count(":") > 1:
         return authority, None  # a bare IPv6 literal; the name stage refuses it
     host, sep, port = authority.partition(":")
@@ -78,27 +83,29 @@ def split_authority(authority: str) -> tuple[str, int | None]:
 def parse_target(text: str) -> Target:
     """A target as written on a command line or in a request: host, host:port, [v6]:port, URL."""
     if not text or len(text) > 8192:
-        raise PolicyError("invalid_target", "a target must be 1 to 8192 characters")
+        raise PolicyError(Reason.INVALID_TARGET, "a target must be 1 to 8192 characters")
     if _CONTROL_OR_SPACE.search(text):
-        raise PolicyError("invalid_target", f"whitespace or control character in {text[:100]!r}")
+        raise PolicyError(
+            Reason.INVALID_TARGET, f"whitespace or control character in {text[:100]!r}"
+        )
     match = _SCHEME.match(text)
     if not match:
         if "/" in text or "?" in text or "#" in text:
             raise PolicyError(
-                "invalid_target", f"{text[:100]!r}: give a host, host:port or a full URL"
+                Reason.INVALID_TARGET, f"{text[:100]!r}: give a host, host:port or a full URL"
             )
         host, port = split_authority(text)
         return Target(host=host, port=port)
     scheme = match.group(1).lower()
     if scheme not in DEFAULT_PORTS:
         raise PolicyError(
-            "unsupported_scheme", f"scheme {scheme!r} is not one of http, https, ws, wss"
+            Reason.UNSUPPORTED_SCHEME, f"scheme {scheme!r} is not one of http, https, ws, wss"
         )
     rest = text[match.end() :]
     cut = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
     authority, path = rest[:cut], rest[cut:]
     if "@" in authority:
-        raise PolicyError("invalid_target", "credentials in a URL (user@host) are refused")
+        raise PolicyError(Reason.INVALID_TARGET, "credentials in a URL (user@host) are refused")
     host, port = split_authority(authority)
     # The query goes; a '#' before it stays in the path, where a path rule refuses it (a client
     # never sends a fragment, and a server may read '/api#/../x' as a path).

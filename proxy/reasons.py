@@ -1,46 +1,26 @@
-"""What both planes (the L4 fast path and the L7 engine) answer when they refuse: the runtime's
-reason codes, the `Refused` exception that carries one through a decision, and the one-line
-HTTP answer (DESIGN 3.6) in bytes. No mitmproxy here: the fast path must not import it.
+"""What both planes (the L4 fast path and the L7 engine) answer when they refuse: the `Refused`
+exception that carries a reason code (a `Reason`, policy/reasons.py: the one catalog) through a
+decision, and the one-line HTTP answer (DESIGN 3.6) in bytes. No mitmproxy here: the fast path
+must not import it.
 
-    raise Refused(403, SNI_MISMATCH, "SNI 'a.test' is not the CONNECT host 'b.test'")
+    raise Refused(403, Reason.SNI_MISMATCH, "SNI 'a.test' is not the CONNECT host 'b.test'")
     writer.write(refusal_response(refused, "b.test", 443))
 """
 
 from __future__ import annotations
 
-from policy import decisions as d
+from policy.reasons import Reason
 
-# Reason codes of the runtime (the policy core's are in policy/decisions.py). Audit lines and
-# metrics carry the same strings.
-HOST_MISMATCH = "host_mismatch"
-NOT_VETTED = "not_vetted"
-SNI_MISSING = "sni_missing"
-SNI_MISMATCH = "sni_mismatch"
-NOT_TLS = "not_tls"
-INVALID_CLIENT_HELLO = "invalid_client_hello"
-INVALID_REQUEST = "invalid_request"
-INSPECTION_UNSUPPORTED = "inspection_unsupported"
-UNSUPPORTED_SCHEME = "unsupported_scheme"
-UPSTREAM_REFUSED = "upstream_refused"
-UPSTREAM_TIMEOUT = "upstream_timeout"
-UPSTREAM_ERROR = "upstream_error"  # the upstream closed before its response ended, or sent garbage
-UPSTREAM_TLS = "upstream_tls"  # an inspected upstream's certificate failed verification
-OVERLOAD = "overload"
-HEADER_TIMEOUT = "header_timeout"
-POLICY_RELOAD = "policy_reload"
-NO_ORIGINAL_DESTINATION = "no_original_destination"
-PROXY_LOOP = "proxy_loop"  # a destination that is one of the proxy's own listeners
-# SOCKS5 (RFC 1928): what arrived on a SOCKS5 listener was not SOCKS5 at all (SOCKS4, HTTP,
-# TLS, ...); the client offered no method we serve (only 0x00, no authentication); a command
-# other than CONNECT (BIND, UDP ASSOCIATE); an address type other than IPv4, name, IPv6.
-NOT_SOCKS5 = "not_socks5"
-SOCKS_NO_METHOD = "socks_no_acceptable_method"
-SOCKS_COMMAND = "socks_command_unsupported"
-SOCKS_ADDRESS_TYPE = "socks_address_type_unsupported"
-# An upgrade to anything but WebSocket (h2c, TLS/1.0, ...), which would take the connection out
-# of per-request decisions (plain HTTP and inside interception alike).
-UPGRADE_REFUSED = "upgrade_refused"
-INTERNAL_ERROR = d.INTERNAL_ERROR
+__all__ = [
+    "DENIED_HEADER",
+    "ERROR_HEADER",
+    "Reason",
+    "Refused",
+    "authority",
+    "refusal_parts",
+    "refusal_response",
+    "shown",
+]
 
 DENIED_HEADER = "X-Egress-Denied"
 ERROR_HEADER = "X-Egress-Error"

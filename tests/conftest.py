@@ -64,9 +64,7 @@ def dns() -> Iterator[DNSServer]:
 
 # The data plane's in-process tests run on asyncio's own loop and on uvloop's (the one
 # `egress-proxy run` uses): the two loops' transports differ in the details a relay relies on.
-BOTH_LOOPS = frozenset(
-    {"test_relay.py", "test_frontdoor.py", "test_dataplane_http.py", "test_engine.py"}
-)
+BOTH_LOOPS = frozenset({"test_relay.py", "test_frontdoor.py", "test_http.py", "test_engine.py"})
 
 
 def pytest_asyncio_loop_factories(

@@ -36,11 +36,10 @@ from mitmproxy.proxy.layers.tls import handshake_record_contents
 from mitmproxy.proxy.layers.tls import parse_client_hello as mitm_parse_client_hello
 from mitmproxy.tls import ClientHello as MitmClientHello
 
+from policy.reasons import Reason
 from proxy.decide.clienthello import (
-    INVALID_CLIENT_HELLO,
     MAX_CLIENT_HELLO,
     MAX_RECORD_PAYLOAD,
-    NOT_TLS,
     TOO_LONG,
     ClientHello,
     ClientHelloError,
@@ -144,7 +143,7 @@ def ours(data: bytes) -> Outcome:
     try:
         hello = parse_client_hello(data)
     except ClientHelloError as exc:
-        assert exc.reason in (NOT_TLS, INVALID_CLIENT_HELLO, TOO_LONG)
+        assert exc.reason in (Reason.NOT_TLS, Reason.INVALID_CLIENT_HELLO, TOO_LONG)
         return Outcome("error", error=exc)
     return Outcome("more") if hello is None else Outcome("hello", hello=hello)
 
@@ -238,7 +237,14 @@ def _stricter_confirmed(detail: str, data: bytes, hello: MitmClientHello) -> boo
 
 
 # Refusals on a prefix, where mitmproxy still waits: the bytes so far already rule the hello out.
-EARLY = {NOT_TLS, "record_header", "record_overflow", TOO_LONG, "handshake_type", "trailing_data"}
+EARLY = {
+    Reason.NOT_TLS,
+    "record_header",
+    "record_overflow",
+    TOO_LONG,
+    "handshake_type",
+    "trailing_data",
+}
 
 
 def _idna2003_rejects(name: str) -> bool:
@@ -444,22 +450,42 @@ GOOD_MESSAGE = handshake(hello_body(BASE_EXTENSIONS))
 
 # (bytes, our reason, our detail, what mitmproxy does: "hello", "more" or "error")
 REFUSALS: dict[str, tuple[bytes, str, str, str]] = {
-    "http request": (b"GET / HTTP/1.1\r\nHost: example.com\r\n\r\n", NOT_TLS, NOT_TLS, "error"),
-    "sslv2 hello": (b"\x80\x2e\x01\x00\x02" + b"\x00" * 45, NOT_TLS, NOT_TLS, "error"),
-    "application data record": (b"\x17\x03\x03" + GOOD[3:], NOT_TLS, NOT_TLS, "error"),
-    "record version 3.4": (b"\x16\x03\x04" + GOOD[3:], NOT_TLS, NOT_TLS, "error"),
-    "record version 4.1": (b"\x16\x04\x01" + GOOD[3:], NOT_TLS, NOT_TLS, "error"),
-    "one byte, not tls": (b"G", NOT_TLS, NOT_TLS, "more"),
-    "empty record": (b"\x16\x03\x01\x00\x00" + GOOD, INVALID_CLIENT_HELLO, "empty_record", "error"),
+    "http request": (
+        b"GET / HTTP/1.1\r\nHost: example.com\r\n\r\n",
+        Reason.NOT_TLS,
+        Reason.NOT_TLS,
+        "error",
+    ),
+    "sslv2 hello": (
+        b"\x80\x2e\x01\x00\x02" + b"\x00" * 45,
+        Reason.NOT_TLS,
+        Reason.NOT_TLS,
+        "error",
+    ),
+    "application data record": (
+        b"\x17\x03\x03" + GOOD[3:],
+        Reason.NOT_TLS,
+        Reason.NOT_TLS,
+        "error",
+    ),
+    "record version 3.4": (b"\x16\x03\x04" + GOOD[3:], Reason.NOT_TLS, Reason.NOT_TLS, "error"),
+    "record version 4.1": (b"\x16\x04\x01" + GOOD[3:], Reason.NOT_TLS, Reason.NOT_TLS, "error"),
+    "one byte, not tls": (b"G", Reason.NOT_TLS, Reason.NOT_TLS, "more"),
+    "empty record": (
+        b"\x16\x03\x01\x00\x00" + GOOD,
+        Reason.INVALID_CLIENT_HELLO,
+        "empty_record",
+        "error",
+    ),
     "alert record inside the hello": (
         records(GOOD_MESSAGE[:10]) + b"\x15\x03\x03\x00\x02\x02\x28" + records(GOOD_MESSAGE[10:]),
-        INVALID_CLIENT_HELLO,
+        Reason.INVALID_CLIENT_HELLO,
         "record_header",
         "error",
     ),
     "record over 2^14": (
         records(handshake(hello_body([*BASE_EXTENSIONS, (21, bytes(20000))])), [20000 + 200]),
-        INVALID_CLIENT_HELLO,
+        Reason.INVALID_CLIENT_HELLO,
         "record_overflow",
         "hello",
     ),
@@ -483,162 +509,182 @@ REFUSALS: dict[str, tuple[bytes, str, str, str]] = {
     ),
     "server hello": (
         records(handshake(hello_body(BASE_EXTENSIONS), kind=2)),
-        INVALID_CLIENT_HELLO,
+        Reason.INVALID_CLIENT_HELLO,
         "handshake_type",
         "hello",
     ),
     "bytes after the hello in its record": (
         records(GOOD_MESSAGE + b"\x00\x00\x00\x00"),
-        INVALID_CLIENT_HELLO,
+        Reason.INVALID_CLIENT_HELLO,
         "trailing_data",
         "hello",
     ),
-    "empty hello": (records(handshake(b"")), INVALID_CLIENT_HELLO, "truncated", "error"),
+    "empty hello": (records(handshake(b"")), Reason.INVALID_CLIENT_HELLO, "truncated", "error"),
     "session id over 32": (
         tls(BASE_EXTENSIONS, session_id=bytes(33)),
-        INVALID_CLIENT_HELLO,
+        Reason.INVALID_CLIENT_HELLO,
         "session_id_length",
         "hello",
     ),
     "odd cipher suites": (
         tls(BASE_EXTENSIONS, suites=b"\x13\x01\x13"),
-        INVALID_CLIENT_HELLO,
+        Reason.INVALID_CLIENT_HELLO,
         "cipher_suites_length",
         "error",
     ),
     "no cipher suites": (
         tls(BASE_EXTENSIONS, suites=b""),
-        INVALID_CLIENT_HELLO,
+        Reason.INVALID_CLIENT_HELLO,
         "cipher_suites_length",
         "hello",
     ),
     "no compression methods": (
         tls(BASE_EXTENSIONS, compression=b""),
-        INVALID_CLIENT_HELLO,
+        Reason.INVALID_CLIENT_HELLO,
         "compression_methods_length",
         "hello",
     ),
     "extensions length short of the block": (
         records(handshake(hello_body(BASE_EXTENSIONS) + b"\x00\x15\x00\x00")),
-        INVALID_CLIENT_HELLO,
+        Reason.INVALID_CLIENT_HELLO,
         "extensions_length",
         "hello",
     ),
     "one byte after the compression methods": (
         records(handshake(hello_body(None) + b"\x00")),
-        INVALID_CLIENT_HELLO,
+        Reason.INVALID_CLIENT_HELLO,
         "truncated",
         "error",
     ),
     "extension cut short": (
         records(handshake(hello_body(None) + b"\x00\x08\x00\x0a\x00\x09\x00\x00\x00\x00")),
-        INVALID_CLIENT_HELLO,
+        Reason.INVALID_CLIENT_HELLO,
         "truncated",
         "error",
     ),
     "duplicate extension": (
         tls([*BASE_EXTENSIONS, (43, vec8(b"\x03\x04"))]),
-        INVALID_CLIENT_HELLO,
+        Reason.INVALID_CLIENT_HELLO,
         "duplicate_extension",
         "hello",
     ),
     "two server_name extensions": (
         tls([sni_ext(b"allowed.example"), sni_ext(b"other.example")]),
-        INVALID_CLIENT_HELLO,
+        Reason.INVALID_CLIENT_HELLO,
         "duplicate_extension",
         "hello",
     ),
     "two names": (
         tls([sni_ext(b"allowed.example", b"other.example")]),
-        INVALID_CLIENT_HELLO,
+        Reason.INVALID_CLIENT_HELLO,
         "server_name_count",
         "hello",
     ),
     "a name of another type": (
         tls([sni_ext(b"example.com", name_type=1)]),
-        INVALID_CLIENT_HELLO,
+        Reason.INVALID_CLIENT_HELLO,
         "server_name_type",
         "hello",
     ),
     "empty server_name list": (
         tls([(0, b"\x00\x00")]),
-        INVALID_CLIENT_HELLO,
+        Reason.INVALID_CLIENT_HELLO,
         "server_name_list",
         "hello",
     ),
     "empty server_name extension": (
         tls([(0, b"")]),
-        INVALID_CLIENT_HELLO,
+        Reason.INVALID_CLIENT_HELLO,
         "server_name_list",
         "error",
     ),
     "server_name list length wrong": (
         tls([(0, b"\x00\x20" + b"\x00" + vec16(b"example.com"))]),
-        INVALID_CLIENT_HELLO,
+        Reason.INVALID_CLIENT_HELLO,
         "server_name_list",
         "hello",
     ),
     "server_name cut short": (
         tls([(0, b"\x00\x05\x00\x00\x09abc")]),
-        INVALID_CLIENT_HELLO,
+        Reason.INVALID_CLIENT_HELLO,
         "server_name_list",
         "error",
     ),
-    "empty name": (tls([sni_ext(b"")]), INVALID_CLIENT_HELLO, "server_name_invalid", "hello"),
+    "empty name": (
+        tls([sni_ext(b"")]),
+        Reason.INVALID_CLIENT_HELLO,
+        "server_name_invalid",
+        "hello",
+    ),
     "non-ASCII name": (
         tls([sni_ext("bücher.de".encode())]),
-        INVALID_CLIENT_HELLO,
+        Reason.INVALID_CLIENT_HELLO,
         "server_name_invalid",
         "hello",
     ),
     "name with a space": (
         tls([sni_ext(b"exa mple.com")]),
-        INVALID_CLIENT_HELLO,
+        Reason.INVALID_CLIENT_HELLO,
         "server_name_invalid",
         "hello",
     ),
     "name with a NUL": (
         tls([sni_ext(b"allowed.example\x00.evil.test")]),
-        INVALID_CLIENT_HELLO,
+        Reason.INVALID_CLIENT_HELLO,
         "server_name_invalid",
         "hello",
     ),
     "name ending in a newline": (
         tls([sni_ext(b"example.com\n")]),
-        INVALID_CLIENT_HELLO,
+        Reason.INVALID_CLIENT_HELLO,
         "server_name_invalid",
         "hello",
     ),
-    "IPv6 literal": (tls([sni_ext(b"::1")]), INVALID_CLIENT_HELLO, "server_name_invalid", "hello"),
-    "empty label": (tls([sni_ext(b"a..b")]), INVALID_CLIENT_HELLO, "server_name_invalid", "hello"),
+    "IPv6 literal": (
+        tls([sni_ext(b"::1")]),
+        Reason.INVALID_CLIENT_HELLO,
+        "server_name_invalid",
+        "hello",
+    ),
+    "empty label": (
+        tls([sni_ext(b"a..b")]),
+        Reason.INVALID_CLIENT_HELLO,
+        "server_name_invalid",
+        "hello",
+    ),
     "label of 64": (
         tls([sni_ext(b"x" * 64 + b".com")]),
-        INVALID_CLIENT_HELLO,
+        Reason.INVALID_CLIENT_HELLO,
         "server_name_invalid",
         "hello",
     ),
     "name of 256": (
         tls([sni_ext(b"a." * 127 + b"bb")]),
-        INVALID_CLIENT_HELLO,
+        Reason.INVALID_CLIENT_HELLO,
         "server_name_invalid",
         "hello",
     ),
-    "empty ALPN list": (tls([(16, b"\x00\x00")]), INVALID_CLIENT_HELLO, "alpn_list", "hello"),
+    "empty ALPN list": (
+        tls([(16, b"\x00\x00")]),
+        Reason.INVALID_CLIENT_HELLO,
+        "alpn_list",
+        "hello",
+    ),
     "empty ALPN protocol": (
         tls([alpn_ext(b"h2", b"")]),
-        INVALID_CLIENT_HELLO,
+        Reason.INVALID_CLIENT_HELLO,
         "alpn_empty_protocol",
         "hello",
     ),
     "ALPN list length wrong": (
         tls([(16, b"\x00\x09" + vec8(b"h2"))]),
-        INVALID_CLIENT_HELLO,
+        Reason.INVALID_CLIENT_HELLO,
         "alpn_list",
         "hello",
     ),
     "ALPN cut short": (
         tls([(16, b"\x00\x03" + b"\x05h2")]),
-        INVALID_CLIENT_HELLO,
+        Reason.INVALID_CLIENT_HELLO,
         "alpn_list",
         "error",
     ),
@@ -718,14 +764,14 @@ def test_starts_like_tls(data: bytes, expected: bool) -> None:
     if not expected and data:
         with pytest.raises(ClientHelloError) as caught:
             parse_client_hello(data)
-        assert caught.value.reason == NOT_TLS
+        assert caught.value.reason == Reason.NOT_TLS
 
 
 def test_the_error_is_a_value_error_with_a_reason() -> None:
     with pytest.raises(ValueError, match="not a TLS handshake record") as caught:
         parse_client_hello(b"GET / HTTP/1.1\r\n")
     assert isinstance(caught.value, ClientHelloError)
-    assert caught.value.reason == NOT_TLS
+    assert caught.value.reason == Reason.NOT_TLS
 
 
 def test_every_truncation_inside_a_complete_message_is_refused() -> None:
@@ -740,7 +786,7 @@ def test_every_truncation_inside_a_complete_message_is_refused() -> None:
             continue
         with pytest.raises(ClientHelloError) as caught:
             parse_client_hello(data)
-        assert caught.value.reason == INVALID_CLIENT_HELLO, (cut, caught.value)
+        assert caught.value.reason == Reason.INVALID_CLIENT_HELLO, (cut, caught.value)
 
 
 def test_every_byte_of_a_hello_changed() -> None:

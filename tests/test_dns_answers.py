@@ -15,13 +15,10 @@ from running import metric_value
 from test_engine import ExplodingPolicy
 
 from policy import Policy, compile_policy, load_manifest
+from policy.reasons import Reason
 from proxy.app.config import load_config
 from proxy.decide.vetting import Peer, Vetter
 from proxy.dns.answers import (
-    DNS_CLASS_NOT_SERVED,
-    DNS_MALFORMED,
-    DNS_OPCODE_NOT_SERVED,
-    DNS_QTYPE_NOT_SERVED,
     FORMERR,
     NOERROR,
     NOTIMP,
@@ -162,12 +159,12 @@ async def test_other_types_of_an_allowed_name_get_no_records_and_are_never_forwa
     responder: Responder, dns: DNSServer, qtype: int
 ) -> None:
     answer = await responder.ask("ok.test", qtype)
-    assert answer == DnsAnswer(NOERROR, DNS_QTYPE_NOT_SERVED)
+    assert answer == DnsAnswer(NOERROR, Reason.DNS_QTYPE_NOT_SERVED)
     assert dns.queries == []
     [line] = responder.lines()
     assert (line["decision"], line["reason"], line["host"]) == (
         "deny",
-        DNS_QTYPE_NOT_SERVED,
+        Reason.DNS_QTYPE_NOT_SERVED,
         "ok.test",
     )
     assert line["rule"] == "network.egress[0]"
@@ -230,23 +227,27 @@ async def test_platform_destinations_and_path_rule_hosts_are_answered(dns: DNSSe
 
 @pytest.mark.asyncio
 async def test_request_shapes_that_are_not_served(responder: Responder, dns: DNSServer) -> None:
-    assert await responder.ask("ok.test", opcode=NOTIFY) == DnsAnswer(NOTIMP, DNS_OPCODE_NOT_SERVED)
-    assert await responder.ask("ok.test", opcode=UPDATE) == DnsAnswer(NOTIMP, DNS_OPCODE_NOT_SERVED)
+    assert await responder.ask("ok.test", opcode=NOTIFY) == DnsAnswer(
+        NOTIMP, Reason.DNS_OPCODE_NOT_SERVED
+    )
+    assert await responder.ask("ok.test", opcode=UPDATE) == DnsAnswer(
+        NOTIMP, Reason.DNS_OPCODE_NOT_SERVED
+    )
     assert await responder.ask("version.bind", TXT, qclass=CH) == DnsAnswer(
-        REFUSED, DNS_CLASS_NOT_SERVED
+        REFUSED, Reason.DNS_CLASS_NOT_SERVED
     )
     two = DnsQuery(QUERY, (DnsQuestion("ok.test", A, IN), DnsQuestion("ok.test", AAAA, IN)))
-    assert await responder.responder.answer(two, PEER) == DnsAnswer(FORMERR, DNS_MALFORMED)
+    assert await responder.responder.answer(two, PEER) == DnsAnswer(FORMERR, Reason.DNS_MALFORMED)
     none = DnsQuery(QUERY, ())
-    assert await responder.responder.answer(none, PEER) == DnsAnswer(FORMERR, DNS_MALFORMED)
+    assert await responder.responder.answer(none, PEER) == DnsAnswer(FORMERR, Reason.DNS_MALFORMED)
     assert dns.queries == []
     reasons = [(x["reason"], x["stage"]) for x in responder.lines()]
     assert reasons == [
-        (DNS_OPCODE_NOT_SERVED, "request"),
-        (DNS_OPCODE_NOT_SERVED, "request"),
-        (DNS_CLASS_NOT_SERVED, "request"),
-        (DNS_MALFORMED, "request"),
-        (DNS_MALFORMED, "request"),
+        (Reason.DNS_OPCODE_NOT_SERVED, "request"),
+        (Reason.DNS_OPCODE_NOT_SERVED, "request"),
+        (Reason.DNS_CLASS_NOT_SERVED, "request"),
+        (Reason.DNS_MALFORMED, "request"),
+        (Reason.DNS_MALFORMED, "request"),
     ]
     assert responder.count("none", "FORMERR") == 2
 
@@ -273,11 +274,13 @@ async def test_a_new_policy_changes_the_answers(responder: Responder, dns: DNSSe
 
 @pytest.mark.asyncio
 async def test_messages_refused_by_the_transport_are_audited(responder: Responder) -> None:
-    responder.responder.refuse_message(PEER, DNS_MALFORMED, "not a DNS message", rcode=FORMERR)
+    responder.responder.refuse_message(
+        PEER, Reason.DNS_MALFORMED, "not a DNS message", rcode=FORMERR
+    )
     responder.responder.refuse_message(PEER, "dns_not_a_query", "a response", rcode=None)
     lines = responder.lines()
     assert [(x["reason"], x["protocol"], x["host"]) for x in lines] == [
-        (DNS_MALFORMED, "dns", None),
+        (Reason.DNS_MALFORMED, "dns", None),
         ("dns_not_a_query", "dns", None),
     ]
     assert responder.count("none", "FORMERR") == 1 and responder.count("none", "dropped") == 1

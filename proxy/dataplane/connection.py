@@ -16,8 +16,9 @@ import os
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
+from policy.reasons import Reason
 from proxy.decide.events import CloseEvent
 from proxy.decide.interception import Destination
 from proxy.decide.vetting import Peer, next_connection_id
@@ -25,16 +26,9 @@ from proxy.errors import ProxyError
 from proxy.net.bytecount import Counter
 from proxy.net.pool import Pool
 from proxy.net.relay import Relay
-from proxy.reasons import (
-    HEADER_TIMEOUT,
-    INTERNAL_ERROR,
-    OVERLOAD,
-    Refused,
-    refusal_response,
-)
+from proxy.reasons import Refused, refusal_response
 
 if TYPE_CHECKING:
-    from proxy.dataplane.http import HttpPlane
     from proxy.decide.events import AuditSink, MetricsSink
     from proxy.decide.interception import Interceptor
     from proxy.decide.vetting import Vetted, Vetter
@@ -46,6 +40,12 @@ logger = logging.getLogger(__name__)
 # What a connection may hold of its client's bytes before it has decided what they are: a
 # CONNECT head, a SOCKS5 request or a ClientHello are far smaller.
 MAX_PENDING = 64 << 10
+
+
+class Quiesces(Protocol):
+    """What the drain needs of a plane that owns a connection (proxy/dataplane/http.py)."""
+
+    def quiesce(self) -> None: ...
 
 
 class Connection(asyncio.Protocol):
@@ -68,7 +68,7 @@ class Connection(asyncio.Protocol):
         self.closed = False  # its close line is written
         self.handed = False  # the engine's now, close line and all
         self.owned = False  # a relay or an exchange owns the transport now
-        self.reason = "client_closed"  # for a close line nobody else wrote
+        self.reason: str = Reason.CLIENT_CLOSED  # for a close line nobody else wrote
         self.task: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         # What is known of the destination, as it is learned: for reloads and the close line.
@@ -82,7 +82,7 @@ class Connection(asyncio.Protocol):
         self.vetted: Vetted | None = None  # what vetting found, once it has run
         self.counter = Counter()
         self.counted = False  # connection_opened went to the metrics
-        self.http: HttpPlane | None = None  # the HTTP plane, once the bytes were plain HTTP
+        self.http: Quiesces | None = None  # the HTTP plane, once the bytes were plain HTTP
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
@@ -196,7 +196,9 @@ class Connection(asyncio.Protocol):
             return
         if self.task is not None and not self.task.done():
             self.task.cancel()
-        refused = refused or Refused(408, HEADER_TIMEOUT, "no request head within the time limit")
+        refused = refused or Refused(
+            408, Reason.HEADER_TIMEOUT, "no request head within the time limit"
+        )
         self.refuse(refused, None, None, stage="accept")
 
     # -- answers and ends ----------------------------------------------------------------------
@@ -242,11 +244,11 @@ class Connection(asyncio.Protocol):
         """Fail closed (DESIGN 3.7): whatever went wrong, the connection is denied here."""
         if isinstance(exc, OSError):
             logger.debug("egress: client connection ended: %s", exc)
-            self.reason = "reset"
+            self.reason = Reason.RESET
             self.close()
             return
         logger.error("egress: the front door failed on a connection", exc_info=exc)
-        refused = Refused(403, INTERNAL_ERROR, f"internal error: {type(exc).__name__}")
+        refused = Refused(403, Reason.INTERNAL_ERROR, f"internal error: {type(exc).__name__}")
         try:
             if self.owned or self.handed:
                 vetter = self.door.vetter
@@ -385,7 +387,7 @@ class Door:
         """Counts a new connection in, or refuses it (503) when `limits.max_connections` are
         live already: only the connections over the limit are refused, and those do not count."""
         if self.live >= self.config.limits.max_connections:
-            refused = Refused(503, OVERLOAD, "too many connections", error=True)
+            refused = Refused(503, Reason.OVERLOAD, "too many connections", error=True)
             connection.refuse(refused, None, None, stage="accept")
             return False
         self.connections.add(connection)

@@ -22,12 +22,12 @@ import socket
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
+from policy.reasons import Reason
 from proxy.dataplane.connection import Door
 from proxy.dataplane.kinds import protocol_for
 from proxy.errors import ProxyError
 from proxy.net.sockets import listening_socket
 from proxy.netaddr import Listener
-from proxy.reasons import POLICY_RELOAD
 
 if TYPE_CHECKING:
     from policy import Policy
@@ -112,7 +112,7 @@ class FrontDoor:
         while self.door.live and loop.time() < deadline:
             await asyncio.sleep(0.02)
         for connection in list(self.door.connections):
-            connection.end("drain_timeout" if timeout else "shutdown")
+            connection.end(Reason.DRAIN_TIMEOUT if timeout else Reason.SHUTDOWN)
         handoffs = set(self.door.handoffs)
         for task in handoffs:
             task.cancel()
@@ -132,6 +132,6 @@ class FrontDoor:
                 logger.exception("egress: re-deciding a live connection failed")
                 allowed = False  # fail closed
             if not allowed:
-                connection.end(POLICY_RELOAD)
+                connection.end(Reason.POLICY_RELOAD)
                 closed.append(connection.peer.connection)
         return closed

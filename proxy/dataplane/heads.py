@@ -11,8 +11,9 @@ from dataclasses import dataclass
 import httptools
 
 from policy import PolicyError
+from policy.reasons import Reason
 from policy.urls import split_authority
-from proxy.reasons import INVALID_REQUEST, Refused
+from proxy.reasons import Refused
 
 # A CONNECT head is a line and a few headers; anything near this is not a CONNECT we want.
 MAX_CONNECT_HEAD = 16 * 1024
@@ -54,7 +55,7 @@ def parse_connect(data: bytes | bytearray) -> ConnectHead | Refused:
     answer with."""
     end = data.find(b"\r\n\r\n")
     if end < 0 or end + 4 > MAX_CONNECT_HEAD:
-        return Refused(431, INVALID_REQUEST, "the CONNECT head is too large")
+        return Refused(431, Reason.INVALID_REQUEST, "the CONNECT head is too large")
     whole = bytes(data[: end + 4])
     parser = httptools.HttpRequestParser(_Validating())
     try:
@@ -62,25 +63,27 @@ def parse_connect(data: bytes | bytearray) -> ConnectHead | Refused:
     except httptools.HttpParserUpgrade:
         pass  # CONNECT: the parser stops at the end of the head, as it should
     except httptools.HttpParserError as exc:
-        return Refused(400, INVALID_REQUEST, f"invalid CONNECT request: {exc}")
+        return Refused(400, Reason.INVALID_REQUEST, f"invalid CONNECT request: {exc}")
     else:
-        return Refused(400, INVALID_REQUEST, "invalid CONNECT request")
+        return Refused(400, Reason.INVALID_REQUEST, "invalid CONNECT request")
     line = _REQUEST_LINE.fullmatch(whole, 0, whole.find(b"\r\n"))
     if parser.get_method() != b"CONNECT" or line is None:
         # llhttp takes a run of spaces and any HTTP/x.y on the request line; one space each
         # and HTTP/1.x are the only spellings every reader agrees on.
-        return Refused(400, INVALID_REQUEST, "invalid CONNECT request line")
+        return Refused(400, Reason.INVALID_REQUEST, "invalid CONNECT request line")
     headers = whole[line.end() :].lower()
     if b"\r\ncontent-length:" in headers or b"\r\ntransfer-encoding:" in headers:
-        return Refused(400, INVALID_REQUEST, "a CONNECT request has no body")
+        return Refused(400, Reason.INVALID_REQUEST, "a CONNECT request has no body")
     hosts = headers.count(b"\r\nhost:")
     if hosts > 1 or (hosts == 0 and line[2] == b"1"):
-        return Refused(400, INVALID_REQUEST, "an HTTP/1.1 request needs exactly one Host header")
+        return Refused(
+            400, Reason.INVALID_REQUEST, "an HTTP/1.1 request needs exactly one Host header"
+        )
     target = line[1]
     try:
         host, port = split_authority(target.decode("ascii"))
     except (PolicyError, UnicodeDecodeError) as exc:
-        return Refused(400, INVALID_REQUEST, f"invalid CONNECT target: {exc}")
+        return Refused(400, Reason.INVALID_REQUEST, f"invalid CONNECT target: {exc}")
     if port is None or not host:
-        return Refused(400, INVALID_REQUEST, "a CONNECT target is HOST:PORT")
+        return Refused(400, Reason.INVALID_REQUEST, "a CONNECT target is HOST:PORT")
     return ConnectHead(host, port, bytes(data[end + 4 :]))

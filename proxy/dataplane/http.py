@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import httptools
 
+from policy.reasons import Reason
 from proxy.dataplane import tunnel
 from proxy.dataplane.http_messages import (
     MAX_FIELDS,
@@ -39,19 +40,9 @@ from proxy.dataplane.http_messages import (
 from proxy.dataplane.http_requests import Rejected, Request, destination
 from proxy.dataplane.http_upstream import FAILED, REUSABLE, STALE, SWITCHED, Exchange
 from proxy.decide.http_checks import WEBSOCKET
-from proxy.net.bytecount import IDLE_TIMEOUT
 from proxy.net.dialing import UpstreamError, connect_upstream, dial_checked
 from proxy.net.relay import Relay
-from proxy.reasons import (
-    HEADER_TIMEOUT,
-    INTERNAL_ERROR,
-    INVALID_REQUEST,
-    UPSTREAM_ERROR,
-    UPSTREAM_TIMEOUT,
-    Refused,
-    authority,
-    refusal_response,
-)
+from proxy.reasons import Refused, authority, refusal_response
 
 if TYPE_CHECKING:
     from proxy.dataplane.connection import Connection
@@ -133,7 +124,9 @@ class HttpPlane(asyncio.Protocol):
                 return
             self.refuse_unparsed(self.head_error)
         except httptools.HttpParserError as exc:
-            self.refuse_unparsed(Refused(400, INVALID_REQUEST, f"invalid HTTP request: {exc}"))
+            self.refuse_unparsed(
+                Refused(400, Reason.INVALID_REQUEST, f"invalid HTTP request: {exc}")
+            )
         except Exception as exc:
             self.fail(exc)
 
@@ -189,7 +182,7 @@ class HttpPlane(asyncio.Protocol):
     def _grow(self, size: int) -> None:
         self.size += size
         if self.size > MAX_HEAD or len(self.fields) > MAX_FIELDS:
-            self.head_error = Refused(431, INVALID_REQUEST, "the request head is too large")
+            self.head_error = Refused(431, Reason.INVALID_REQUEST, "the request head is too large")
             raise ValueError(self.head_error.message)
 
     def on_headers_complete(self) -> None:
@@ -210,7 +203,7 @@ class HttpPlane(asyncio.Protocol):
         request = Request(head, has_body, chunked)
         request.websocket = parser.should_upgrade()
         if isinstance(framing, Refused):
-            self.head_error = framing
+            request.refused = framing  # answered in turn: the requests before it are served
         self.parsing = request
         self.requests.append(request)
         if len(self.requests) > 1:
@@ -265,8 +258,8 @@ class HttpPlane(asyncio.Protocol):
         host: str | None = None
         port = conn.port if self.transparent else None
         try:
-            if self.head_error is not None:
-                raise self._refusal(self.head_error, None, port, "request", context)
+            if request.refused is not None:
+                raise self._refusal(request.refused, None, port, "request", context)
             host, port, path = destination(request, port, context)
             url = f"http://{authority(host, port)}{path}"
             vetted = await tunnel.vet(conn, url, port, conn.door.vetter.decide(url), **context)
@@ -341,7 +334,7 @@ class HttpPlane(asyncio.Protocol):
                 timeout=door.config.limits.connect_timeout, metrics=door.metrics,
             )  # fmt: skip
         except UpstreamError as exc:
-            status = 504 if exc.reason == UPSTREAM_TIMEOUT else 502
+            status = 504 if exc.reason == Reason.UPSTREAM_TIMEOUT else 502
             refused = Refused(status, exc.reason, exc.message, error=True)
             raise self._refusal(refused, name, port, "upstream", context) from None
         address = transport.get_extra_info("peername")
@@ -352,7 +345,11 @@ class HttpPlane(asyncio.Protocol):
             transport.abort()
             message = "the upstream spoke or closed before the request"
             raise self._refusal(
-                Refused(502, UPSTREAM_ERROR, message, error=True), name, port, "upstream", context
+                Refused(502, Reason.UPSTREAM_ERROR, message, error=True),
+                name,
+                port,
+                "upstream",
+                context,
             )
         return exchange
 
@@ -375,7 +372,15 @@ class HttpPlane(asyncio.Protocol):
     ) -> bool:
         """The refusal's answer; True when the connection goes on to the next request."""
         body_due = not request.ended
-        close = body_due or refused.error or self.closes_after(request) or self.upgraded is not None
+        # A request whose framing or form was refused leaves the parser's reading of what
+        # follows in doubt: nothing more is read from that connection.
+        close = (
+            body_due
+            or refused.error
+            or refused.reason == Reason.INVALID_REQUEST
+            or self.closes_after(request)
+            or self.upgraded is not None
+        )
         self.write(refusal_response(refused, host or "proxy", port, close=close))
         self.conn.reason = refused.reason
         if body_due:
@@ -383,7 +388,7 @@ class HttpPlane(asyncio.Protocol):
             return False
         if close:
             return False
-        self.conn.reason = "client_closed"
+        self.conn.reason = Reason.CLIENT_CLOSED
         return True
 
     def refuse_unparsed(self, refused: Refused) -> None:
@@ -395,10 +400,25 @@ class HttpPlane(asyncio.Protocol):
         self._refusal(
             refused, None, self.conn.port if self.transparent else None, "request", context
         )
-        if self.exchange is None and not self.requests:
+        if self._answerable():
+            if self.exchange is not None:
+                self.exchange.transport.abort()  # nothing more of this request goes upstream
             self.write(refusal_response(refused, "proxy", None, close=True))
         self.conn.reason = refused.reason
         self.close()
+
+    def _answerable(self) -> bool:
+        """Whether the request the parser just refused is the next one owed an answer: a head
+        when no earlier request waits for its response, a body when its own request is the one
+        served and nothing of its response went out."""
+        if self.in_head:
+            return not self.requests
+        exchange = self.exchange
+        return (
+            bool(self.requests)
+            and self.parsing is self.requests[0]
+            and (exchange is None or not exchange.started)
+        )
 
     def failed_exchange(
         self, request: Request, refused: Refused, *, stage: str, answered: bool
@@ -451,19 +471,19 @@ class HttpPlane(asyncio.Protocol):
         """The drain: an idle connection goes now, a busy one after its response."""
         self.closing = True
         if self.serving is None and not self.in_head:
-            self.conn.reason = "shutdown"
+            self.conn.reason = Reason.SHUTDOWN
             self.close()
 
     def fail(self, exc: BaseException) -> None:
         """Fail closed: a bug of ours on this connection is a denial (or, mid-response, a cut)."""
         logger.error("egress: the HTTP plane failed on a connection", exc_info=exc)
-        refused = Refused(403, INTERNAL_ERROR, f"internal error: {type(exc).__name__}")
+        refused = Refused(403, Reason.INTERNAL_ERROR, f"internal error: {type(exc).__name__}")
         conn = self.conn
         try:
             self._refusal(refused, conn.host, conn.port, "engine", {})
             if not self.conn.answered:
                 self.write(refusal_response(refused, conn.host or "proxy", conn.port))
-            conn.reason = INTERNAL_ERROR
+            conn.reason = Reason.INTERNAL_ERROR
         finally:
             if self.exchange is not None:
                 self.exchange.transport.abort()
@@ -480,7 +500,7 @@ class HttpPlane(asyncio.Protocol):
 
     def _head_expired(self) -> None:
         self.head_timer = None
-        refused = Refused(408, HEADER_TIMEOUT, "no whole request head within the time limit")
+        refused = Refused(408, Reason.HEADER_TIMEOUT, "no whole request head within the time limit")
         self.refuse_unparsed(refused)
 
     def _idle_check(self) -> None:
@@ -490,7 +510,7 @@ class HttpPlane(asyncio.Protocol):
             self.idle_timer = self.loop.call_at(deadline, self._idle_check)
             return
         self.idle_timer = None
-        self.conn.reason = IDLE_TIMEOUT
+        self.conn.reason = Reason.IDLE_TIMEOUT
         if self.exchange is not None:
             self.exchange.transport.abort()
         self.close()

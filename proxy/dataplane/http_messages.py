@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Final
 
 from policy.errors import PolicyError
+from policy.reasons import Reason
 from policy.urls import split_authority
-from proxy.reasons import INVALID_REQUEST, UNSUPPORTED_SCHEME, Refused, shown
+from proxy.reasons import Refused, shown
 
 type Fields = list[tuple[bytes, bytes]]  # (name as sent, value), in order
 
@@ -71,7 +72,9 @@ def body_framing(fields: Fields) -> Refused | tuple[bool, bool]:
     if codings:
         if codings != [CHUNKED]:
             return Refused(
-                400, INVALID_REQUEST, f"Transfer-Encoding {shown(', '.join(codings))!r} refused"
+                400,
+                Reason.INVALID_REQUEST,
+                f"Transfer-Encoding {shown(', '.join(codings))!r} refused",
             )
         return True, True
     lengths = field_values(fields, b"content-length")
@@ -84,11 +87,13 @@ def absolute_target(target: str) -> tuple[str, int, str] | Refused:
     in origin form, with user info, or with an invalid authority is a bad request."""
     scheme, sep, rest = target.partition("://")
     if not sep or not scheme.isascii() or not scheme.isalpha():
-        return Refused(400, INVALID_REQUEST, "a request to a proxy needs an absolute http:// URI")
+        return Refused(
+            400, Reason.INVALID_REQUEST, "a request to a proxy needs an absolute http:// URI"
+        )
     if scheme.lower() != "http":
         return Refused(
             403,
-            UNSUPPORTED_SCHEME,
+            Reason.UNSUPPORTED_SCHEME,
             f"scheme {shown(scheme.lower())!r}: only http:// is forwarded (https goes by CONNECT)",
         )
     end = len(rest)
@@ -98,15 +103,15 @@ def absolute_target(target: str) -> tuple[str, int, str] | Refused:
             end = min(end, found)
     where, path = rest[:end], rest[end:]
     if "@" in where:
-        return Refused(400, INVALID_REQUEST, "user info in a request target")
+        return Refused(400, Reason.INVALID_REQUEST, "user info in a request target")
     if path.startswith("#"):
-        return Refused(400, INVALID_REQUEST, "a fragment in a request target")
+        return Refused(400, Reason.INVALID_REQUEST, "a fragment in a request target")
     try:
         host, port = split_authority(where)
     except PolicyError as exc:
-        return Refused(400, INVALID_REQUEST, f"invalid request target: {exc.message}")
+        return Refused(400, Reason.INVALID_REQUEST, f"invalid request target: {exc.message}")
     if not host:
-        return Refused(400, INVALID_REQUEST, "a request target without a host")
+        return Refused(400, Reason.INVALID_REQUEST, "a request target without a host")
     if path.startswith("?") or not path:
         path = "/" + path
     return host, port if port is not None else 80, path

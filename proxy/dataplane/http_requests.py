@@ -8,21 +8,20 @@ with the stage it failed at; the plane writes its line and answers.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from policy.reasons import Reason
 from proxy.dataplane.http_messages import RequestHead, absolute_target, has_field
 from proxy.decide.http_checks import check_host, check_upgrade, parse_host_field
-from proxy.reasons import (
-    HOST_MISMATCH,
-    INVALID_REQUEST,
-    UPGRADE_REFUSED,
-    Refused,
-    authority,
-    shown,
-)
+from proxy.reasons import Refused, authority, shown
 
-if TYPE_CHECKING:
-    from proxy.dataplane.http_upstream import Exchange
+
+class BodySink(Protocol):
+    """Where a request's body goes once its exchange began (proxy/dataplane/http_upstream.py)."""
+
+    def body(self, data: bytes) -> None: ...
+
+    def body_end(self) -> None: ...
 
 
 class Request:
@@ -36,6 +35,7 @@ class Request:
         "has_body",
         "head",
         "pending",
+        "refused",
         "sink",
         "upstream_head",
         "websocket",
@@ -48,9 +48,10 @@ class Request:
         self.pending = bytearray()
         self.ended = False  # the whole body (or none) was received
         self.body_started = False  # some of the body went upstream
-        self.sink: Exchange | None = None
+        self.sink: BodySink | None = None
         self.upstream_head = b""
         self.websocket = False
+        self.refused: Refused | None = None  # its framing, refused as it was read
 
 
 class Rejected(Exception):
@@ -75,18 +76,21 @@ def destination(
     port = original_port
     if head.version not in ("1.0", "1.1"):
         raise Rejected(
-            Refused(400, INVALID_REQUEST, f"HTTP/{shown(head.version)}"), "request", None, port
+            Refused(400, Reason.INVALID_REQUEST, f"HTTP/{shown(head.version)}"),
+            "request",
+            None,
+            port,
         )
     if head.method == "CONNECT":
         message = "CONNECT after another request on one connection"
-        raise Rejected(Refused(400, INVALID_REQUEST, message), "request", None, port)
+        raise Rejected(Refused(400, Reason.INVALID_REQUEST, message), "request", None, port)
     hosts = head.values(b"host")
     if original_port is not None:
         named = parse_host_field(hosts[0], 80) if len(hosts) == 1 else None
         if not head.target.startswith("/") or named is None or named[0].startswith("\0"):
             refused = Refused(
                 403,
-                HOST_MISMATCH,
+                Reason.HOST_MISMATCH,
                 "a redirected request needs an origin-form target and one valid Host header",
             )
             raise Rejected(refused, "host", None, port)
@@ -100,7 +104,7 @@ def destination(
     context["path"] = path  # as an origin reads it, from here on
     upgrade = check_upgrade(head.values(b"upgrade"), has_field(head.fields, b"http2-settings"))
     if upgrade is None and head.values(b"upgrade") and not request.websocket:
-        upgrade = Refused(403, UPGRADE_REFUSED, "an Upgrade without Connection: upgrade")
+        upgrade = Refused(403, Reason.UPGRADE_REFUSED, "an Upgrade without Connection: upgrade")
     if upgrade is not None:
         raise Rejected(upgrade, "request", host, port)
     where = authority(host, port)

@@ -15,10 +15,11 @@ asked for; any other switch, a malformed response or one larger than MAX_HEAD fa
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, Protocol
 
 import httptools
 
+from policy.reasons import Reason
 from proxy.dataplane.http_messages import (
     CHUNKED,
     LAST_CHUNK,
@@ -31,10 +32,32 @@ from proxy.dataplane.http_messages import (
     response_head,
 )
 from proxy.decide.http_checks import WEBSOCKET, upgrade_tokens
-from proxy.reasons import UPGRADE_REFUSED, UPSTREAM_ERROR, Refused, shown
+from proxy.reasons import Refused, shown
 
 if TYPE_CHECKING:
-    from proxy.dataplane.http import HttpPlane, Request
+    from proxy.dataplane.connection import Connection
+    from proxy.dataplane.http_requests import Request
+
+
+class Client(Protocol):
+    """What an exchange needs of the client's side (proxy/dataplane/http.py's HttpPlane)."""
+
+    conn: Connection
+    transport: asyncio.Transport
+    closing: bool
+
+    def write(self, data: bytes) -> None: ...
+
+    def moved(self) -> None: ...
+
+    def closes_after(self, request: Request) -> bool: ...
+
+    def switch(self, exchange: Exchange, rest: bytes) -> None: ...
+
+    def failed_exchange(
+        self, request: Request, refused: Refused, *, stage: str, answered: bool
+    ) -> None: ...
+
 
 # How an exchange ended, for the plane: what to do with the upstream connection and the client.
 REUSABLE: Final = "reusable"  # complete; the upstream connection may serve another request
@@ -50,7 +73,7 @@ class Exchange(asyncio.Protocol):
     """See the module docstring."""
 
     def __init__(
-        self, plane: HttpPlane, request: Request, transport: asyncio.Transport, *, reused: bool
+        self, plane: Client, request: Request, transport: asyncio.Transport, *, reused: bool
     ) -> None:
         self.plane = plane
         self.request = request
@@ -115,7 +138,7 @@ class Exchange(asyncio.Protocol):
             self._switched(data[upgrade.args[0] :])
         except httptools.HttpParserError as exc:
             refused = self.error or Refused(
-                502, UPSTREAM_ERROR, f"invalid response from the upstream: {exc}", error=True
+                502, Reason.UPSTREAM_ERROR, f"invalid response from the upstream: {exc}", error=True
             )
             self._fail(refused)
 
@@ -143,7 +166,10 @@ class Exchange(asyncio.Protocol):
             how = "reset the connection" if exc is not None else "closed the connection"
             self._fail(
                 Refused(
-                    502, UPSTREAM_ERROR, f"the upstream {how} before the response ended", error=True
+                    502,
+                    Reason.UPSTREAM_ERROR,
+                    f"the upstream {how} before the response ended",
+                    error=True,
                 )
             )
 
@@ -168,7 +194,7 @@ class Exchange(asyncio.Protocol):
         self.size += size + 4
         if self.size > MAX_HEAD or len(self.fields) > MAX_FIELDS:
             self.error = Refused(
-                502, UPSTREAM_ERROR, "the upstream's response head is too large", error=True
+                502, Reason.UPSTREAM_ERROR, "the upstream's response head is too large", error=True
             )
             raise ValueError(self.error.message)
 
@@ -185,7 +211,10 @@ class Exchange(asyncio.Protocol):
         if codings and codings != [CHUNKED]:
             # Only chunked is decoded here; another coding would reach the client unannounced.
             self.error = Refused(
-                502, UPSTREAM_ERROR, f"Transfer-Encoding {shown(', '.join(codings))!r}", error=True
+                502,
+                Reason.UPSTREAM_ERROR,
+                f"Transfer-Encoding {shown(', '.join(codings))!r}",
+                error=True,
             )
             raise ValueError(self.error.message)
         chunked = bool(codings)
@@ -246,7 +275,9 @@ class Exchange(asyncio.Protocol):
         asked = ", ".join(tokens) or "nothing named"
         self._fail(
             Refused(
-                403, UPGRADE_REFUSED, f"the upstream switched protocols to {shown(asked)!r} unasked"
+                403,
+                Reason.UPGRADE_REFUSED,
+                f"the upstream switched protocols to {shown(asked)!r} unasked",
             ),
             stage="request",
         )

@@ -38,23 +38,11 @@ from typing import TYPE_CHECKING, Final
 
 from policy import PolicyError
 from policy.hostnames import normalize_host
+from policy.reasons import Reason
 from proxy.dataplane import tunnel
 from proxy.dataplane.connection import Connection
 from proxy.decide.interception import intercepted
-from proxy.reasons import (
-    HEADER_TIMEOUT,
-    INTERNAL_ERROR,
-    INVALID_REQUEST,
-    NOT_SOCKS5,
-    SOCKS_ADDRESS_TYPE,
-    SOCKS_COMMAND,
-    SOCKS_NO_METHOD,
-    UPSTREAM_REFUSED,
-    UPSTREAM_TIMEOUT,
-    Refused,
-    authority,
-    shown,
-)
+from proxy.reasons import Refused, authority, shown
 
 if TYPE_CHECKING:
     from policy import Decision
@@ -80,18 +68,18 @@ _COMMANDS = {BIND: "BIND", UDP_ASSOCIATE: "UDP ASSOCIATE"}
 # no meaning beyond its name, which is the IP hop limit (an ICMP time-exceeded), something a
 # connect timeout is not; curl, the suite and the engine before this have 0x04 for it, and the
 # close and decision lines keep `upstream_timeout` apart from DNS failures.
-_REPLY_FOR_REASON = {
-    UPSTREAM_REFUSED: CONNECTION_REFUSED,
-    UPSTREAM_TIMEOUT: HOST_UNREACHABLE,
-    SOCKS_COMMAND: COMMAND_NOT_SUPPORTED,
-    SOCKS_ADDRESS_TYPE: ADDRESS_TYPE_NOT_SUPPORTED,
-    INTERNAL_ERROR: GENERAL_FAILURE,  # fail closed, and say it was ours
+_REPLY_FOR_REASON: dict[str, int] = {
+    Reason.UPSTREAM_REFUSED: CONNECTION_REFUSED,
+    Reason.UPSTREAM_TIMEOUT: HOST_UNREACHABLE,
+    Reason.SOCKS_COMMAND: COMMAND_NOT_SUPPORTED,
+    Reason.SOCKS_ADDRESS_TYPE: ADDRESS_TYPE_NOT_SUPPORTED,
+    Reason.INTERNAL_ERROR: GENERAL_FAILURE,  # fail closed, and say it was ours
 }
 # What a name's bytes may not hold: NUL and the other controls, DEL, anything not ASCII.
 _NOT_NAME_BYTE = re.compile(rb"[\x00-\x1f\x7f-\xff]")
 _NO_ADDRESS = b"\x01\x00\x00\x00\x00\x00\x00"  # ATYP IPv4, 0.0.0.0, port 0
 _TIMED_OUT = Refused(
-    408, HEADER_TIMEOUT, "no complete SOCKS5 greeting and request within the time limit"
+    408, Reason.HEADER_TIMEOUT, "no complete SOCKS5 greeting and request within the time limit"
 )
 
 
@@ -155,7 +143,7 @@ def parse_greeting(data: bytes | bytearray) -> int | Refused | None:
     if not data:
         return None
     if data[0] != VERSION:
-        return Refused(400, NOT_SOCKS5, what_arrived(data))
+        return Refused(400, Reason.NOT_SOCKS5, what_arrived(data))
     if len(data) < 2 or len(data) < 2 + data[1]:
         return None
     methods = bytes(data[2 : 2 + data[1]])
@@ -163,14 +151,14 @@ def parse_greeting(data: bytes | bytearray) -> int | Refused | None:
         offered = ", ".join(f"0x{m:02x}" for m in methods) or "none"
         return Refused(
             403,
-            SOCKS_NO_METHOD,
+            Reason.SOCKS_NO_METHOD,
             f"the client offers methods {offered}; only 0x00 (no authentication) is served",
         )
     return 2 + len(methods)
 
 
 def _invalid(message: str) -> Refused:
-    return Refused(400, INVALID_REQUEST, f"invalid SOCKS5 request: {message}")
+    return Refused(400, Reason.INVALID_REQUEST, f"invalid SOCKS5 request: {message}")
 
 
 def parse_request(data: bytes | bytearray) -> Request | Refused | None:
@@ -182,7 +170,7 @@ def parse_request(data: bytes | bytearray) -> Request | Refused | None:
         return _invalid(f"version 0x{data[0]:02x}, not 0x05")
     if len(data) >= 2 and data[1] != CONNECT:
         command = _COMMANDS.get(data[1], f"command 0x{data[1]:02x}")
-        return Refused(403, SOCKS_COMMAND, f"{command} is not served: CONNECT only")
+        return Refused(403, Reason.SOCKS_COMMAND, f"{command} is not served: CONNECT only")
     if len(data) >= 3 and data[2] != 0:
         return _invalid(f"reserved byte 0x{data[2]:02x}, not 0x00")
     if len(data) < 4:
@@ -201,7 +189,9 @@ def parse_request(data: bytes | bytearray) -> Request | Refused | None:
         host = bytes(data[start:end]).decode("ascii")
     else:
         return Refused(
-            403, SOCKS_ADDRESS_TYPE, f"address type 0x{atyp:02x}: IPv4 (1), a name (3) or IPv6 (4)"
+            403,
+            Reason.SOCKS_ADDRESS_TYPE,
+            f"address type 0x{atyp:02x}: IPv4 (1), a name (3) or IPv6 (4)",
         )
     if len(data) < end + 2:
         return None
@@ -237,7 +227,7 @@ def name_is_address(host: str) -> Refused | None:
     try:
         normalize_host(host)
     except PolicyError as exc:
-        if exc.reason == "ip_literal":
+        if exc.reason == Reason.IP_LITERAL:
             return Refused(
                 403,
                 exc.reason,
@@ -261,7 +251,7 @@ class Socks5(Connection):
     def answer_refusal(self, refused: Refused, host: str | None, port: int | None) -> None:
         if self.greeted:
             self.transport.write(reply(reply_code(refused)))
-        elif refused.reason == SOCKS_NO_METHOD:
+        elif refused.reason == Reason.SOCKS_NO_METHOD:
             self.transport.write(bytes((VERSION, NO_ACCEPTABLE_METHODS)))
         # else: see the module docstring; the close is the answer
 

@@ -11,22 +11,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from policy.reasons import Reason
 from proxy.dataplane import tunnel
 from proxy.dataplane.connection import Connection
 from proxy.dataplane.http import HttpPlane
-from proxy.decide.clienthello import ClientHelloError, parse_client_hello, starts_like_tls
+from proxy.decide.clienthello import starts_like_tls
 from proxy.decide.interception import intercepted
-from proxy.decide.vetting import canonical_host
+from proxy.decide.sni_gate import read_hello
 from proxy.net.sockets import original_destination
-from proxy.reasons import (
-    INVALID_CLIENT_HELLO,
-    NO_ORIGINAL_DESTINATION,
-    SNI_MISMATCH,
-    SNI_MISSING,
-    Refused,
-    authority,
-    shown,
-)
+from proxy.reasons import Refused, authority
 
 if TYPE_CHECKING:
     from policy import Decision
@@ -45,7 +38,7 @@ class Transparent(Connection):
         except OSError as exc:
             refused = Refused(
                 403,
-                NO_ORIGINAL_DESTINATION,
+                Reason.NO_ORIGINAL_DESTINATION,
                 f"no original destination (not a redirected connection?): {exc.strerror or exc}",
             )
             self.refuse(refused, None, None, stage="accept")
@@ -62,25 +55,16 @@ class Transparent(Connection):
             self.cancel_timer()
             self.plain_http()
             return
-        try:
-            hello = parse_client_hello(data)
-        except ClientHelloError as exc:
-            refused = Refused(403, INVALID_CLIENT_HELLO, f"invalid TLS ClientHello: {exc.message}")
-            self.refuse(refused, None, self.port, stage="sni")
-            return
-        if hello is None:
+        outcome = read_hello(data)  # the SNI gate of every plane; the SNI names the host here
+        if outcome is None:
             return  # split across reads: the header timer still runs
         self.cancel_timer()
-        if not hello.sni:
-            refused = Refused(403, SNI_MISSING, "the ClientHello has no SNI")
-            self.refuse(refused, None, self.port, stage="sni")
+        if outcome.refused is not None:
+            self.refuse(outcome.refused, None, self.port, stage="sni", sni=outcome.sni)
             return
-        self.sni = hello.sni
-        host = canonical_host(hello.sni)
-        if host.startswith("\0"):
-            refused = Refused(403, SNI_MISMATCH, f"SNI {shown(hello.sni)!r} is not a host name")
-            self.refuse(refused, None, self.port, stage="sni", sni=hello.sni)
-            return
+        self.sni = outcome.sni
+        host = outcome.host
+        assert host is not None
         assert self.port is not None
         target = authority(host, self.port)
         decision = self.door.vetter.decide(target)

@@ -13,10 +13,11 @@ import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from policy.reasons import Reason
 from proxy.decide.sni_gate import GateOutcome, check_hello
 from proxy.net.dialing import Upstream, UpstreamError, connect_upstream, dial_checked
-from proxy.net.relay import RESET, Relay
-from proxy.reasons import HEADER_TIMEOUT, PROXY_LOOP, UPSTREAM_TIMEOUT, Refused, authority
+from proxy.net.relay import Relay
+from proxy.reasons import Refused, authority
 
 if TYPE_CHECKING:
     from policy import Decision
@@ -64,7 +65,9 @@ async def vet(
     connection.host, connection.port, connection.pinned = name, port, vetted.pinned
     connection.vetted = vetted
     if any(door.is_own(address, port) for address in vetted.pinned):
-        refused = Refused(403, PROXY_LOOP, f"{authority(name, port)} is this proxy's own listener")
+        refused = Refused(
+            403, Reason.PROXY_LOOP, f"{authority(name, port)} is this proxy's own listener"
+        )
         vetter.refusal(
             refused, peer, name, port, protocol, stage="address", vetted=vetted, **context
         )
@@ -96,7 +99,7 @@ async def dial(
             metrics=door.metrics,
         )
     except UpstreamError as exc:
-        status = 504 if exc.reason == UPSTREAM_TIMEOUT else 502
+        status = 504 if exc.reason == Reason.UPSTREAM_TIMEOUT else 502
         refused = Refused(status, exc.reason, exc.message, error=True)
         vetter.refusal(
             refused, peer, name, port, protocol, stage="upstream", vetted=vetted, **context
@@ -121,7 +124,7 @@ async def client_hello(connection: Connection, host: str, *, what: str = "CONNEC
                     return None
                 outcome = check_hello(connection.buffer, host, what=what)
     except TimeoutError:
-        refused = Refused(408, HEADER_TIMEOUT, "no ClientHello within the time limit")
+        refused = Refused(408, Reason.HEADER_TIMEOUT, "no ClientHello within the time limit")
         return GateOutcome(None, refused)
     return outcome
 
@@ -140,7 +143,7 @@ def relay(connection: Connection, dialled: Dialled) -> None:
         if early:
             connection.transport.write(early)
             connection.counter.down += len(early)
-        connection.reason = RESET if upstream.lost_error is not None else "closed"
+        connection.reason = Reason.RESET if upstream.lost_error is not None else Reason.CLOSED
         connection.transport.close()
         connection.finish(connection.reason)
         return

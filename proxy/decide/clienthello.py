@@ -71,11 +71,11 @@ import re
 import struct
 from dataclasses import dataclass
 
+from policy.reasons import Reason
+
 __all__ = [
-    "INVALID_CLIENT_HELLO",
     "MAX_CLIENT_HELLO",
     "MAX_RECORD_PAYLOAD",
-    "NOT_TLS",
     "TOO_LONG",
     "ClientHello",
     "ClientHelloError",
@@ -83,8 +83,6 @@ __all__ = [
     "starts_like_tls",
 ]
 
-NOT_TLS = "not_tls"
-INVALID_CLIENT_HELLO = "invalid_client_hello"
 TOO_LONG = "too_long"
 
 # A real ClientHello is a few KiB (a post-quantum key share adds about 1-2 KiB); this bounds
@@ -108,8 +106,8 @@ _LABEL = re.compile(rb"[A-Za-z0-9_-]{1,63}")
 class ClientHelloError(ValueError):
     """Bytes that are not, or not only, a well-formed TLS ClientHello.
 
-    `reason` is one of NOT_TLS (the first bytes cannot start a TLS handshake record),
-    INVALID_CLIENT_HELLO (TLS, but malformed or ambiguous) and TOO_LONG (over
+    `reason` is one of Reason.NOT_TLS (the first bytes cannot start a TLS handshake record),
+    Reason.INVALID_CLIENT_HELLO (TLS, but malformed or ambiguous) and TOO_LONG (over
     MAX_CLIENT_HELLO); `detail` is a stable snake_case name of the failed check, finer than
     `reason` (see the module docstring). A ValueError, as mitmproxy's parser raises, so callers
     written for that one catch this one.
@@ -210,7 +208,9 @@ def _check_record_header(header: bytes, offset: int) -> None:
     if problem is None:
         return
     if offset == 0:
-        raise ClientHelloError(NOT_TLS, f"not a TLS handshake record: {problem}", detail=NOT_TLS)
+        raise ClientHelloError(
+            Reason.NOT_TLS, f"not a TLS handshake record: {problem}", detail=Reason.NOT_TLS
+        )
     raise _invalid("record_header", f"record at byte {offset}: {problem}")
 
 
@@ -361,7 +361,7 @@ def _cut(what: str) -> ClientHelloError:
 
 def _invalid(detail: str, message: str) -> ClientHelloError:
     # Callers say "invalid ClientHello" themselves (sni_gate, frontdoor): the message is the why.
-    return ClientHelloError(INVALID_CLIENT_HELLO, message, detail=detail)
+    return ClientHelloError(Reason.INVALID_CLIENT_HELLO, message, detail=detail)
 
 
 def _too_long(message: str) -> ClientHelloError:

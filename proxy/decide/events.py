@@ -80,7 +80,13 @@ class _Fields:
             return _encoded(value)
         if isinstance(value, bytes | bytearray):
             value = bytes(value).decode("utf-8", "backslashreplace")
-        elif type(value) is not str:
+        elif isinstance(value, str):
+            # A Reason (a StrEnum) or another str subclass: written as its bare value, and
+            # remembered under it, so the next line finds the member's encoding in _ENCODED.
+            value = str.__str__(value)
+            if len(value) <= cap:
+                return _encoded(value)
+        else:
             value = str(value)
         if len(value) > cap:
             value = value[:cap]

@@ -15,9 +15,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from policy.errors import PolicyError
+from policy.reasons import Reason
 from policy.urls import split_authority
 from proxy.decide.vetting import canonical_host
-from proxy.reasons import HOST_MISMATCH, UPGRADE_REFUSED, Refused, shown
+from proxy.reasons import Refused, shown
 
 WEBSOCKET = "websocket"
 
@@ -36,14 +37,14 @@ def check_upgrade(values: Sequence[str], http2_settings: bool) -> Refused | None
     if tokens and tokens != [WEBSOCKET]:
         return Refused(
             403,
-            UPGRADE_REFUSED,
+            Reason.UPGRADE_REFUSED,
             f"upgrade to {shown(', '.join(tokens))!r} refused: only WebSocket is decided per "
             "request",
         )
     if http2_settings:
-        return Refused(403, UPGRADE_REFUSED, "HTTP2-Settings (an h2c upgrade) refused")
+        return Refused(403, Reason.UPGRADE_REFUSED, "HTTP2-Settings (an h2c upgrade) refused")
     if values and not tokens:
-        return Refused(403, UPGRADE_REFUSED, "an empty Upgrade header refused")
+        return Refused(403, Reason.UPGRADE_REFUSED, "an empty Upgrade header refused")
     return None
 
 
@@ -67,10 +68,10 @@ def check_host(
     """Exactly one Host field, naming `host` (canonical) and `port` (`default_port` when it
     names none). `where`: how the refusal names what the request was decided for."""
     if len(values) != 1:
-        return Refused(403, HOST_MISMATCH, f"{len(values)} Host headers for {where}")
+        return Refused(403, Reason.HOST_MISMATCH, f"{len(values)} Host headers for {where}")
     named = parse_host_field(values[0], default_port)
     if named is None or named != (canonical_host(host), port):
         return Refused(
-            403, HOST_MISMATCH, f"Host header {shown(values[0])!r} does not name {where}"
+            403, Reason.HOST_MISMATCH, f"Host header {shown(values[0])!r} does not name {where}"
         )
     return None

@@ -17,14 +17,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from policy import decisions as d
 from policy.hostnames import normalize_host, parse_ip_literal
+from policy.reasons import Reason
 from proxy.decide.events import DecisionEvent
 from proxy.errors import ProxyError
-from proxy.reasons import INSPECTION_UNSUPPORTED, Refused
+from proxy.reasons import Refused
 
 # The resolver's reason for NOERROR with no A or AAAA record (proxy/net/resolver.py).
-NO_ADDRESS_ANSWER = "dns_no_address"
 
 if TYPE_CHECKING:
     from policy import AddressDecision, Decision, Policy
@@ -218,7 +217,7 @@ class Vetter:
         `vet(..., final=False)`): one line for the whole decision, with what vetting found."""
         if vetted is not None:
             context = {**vetted.context(), "message": _allow_message(vetted), **context}
-        self._own(True, d.ALLOWED, peer, protocol, stage, context)
+        self._own(True, Reason.ALLOWED, peer, protocol, stage, context)
 
     def refusal(
         self,
@@ -296,7 +295,9 @@ class Vetter:
         named = {"rule": decision.rule, "ceiling": decision.ceiling, **context}
         if decision.needs_inspection and not inspecting:
             refused = Refused(
-                403, INSPECTION_UNSUPPORTED, "this host's rules need TLS inspection, not loaded"
+                403,
+                Reason.INSPECTION_UNSUPPORTED,
+                "this host's rules need TLS inspection, not loaded",
             )
             self.refusal(refused, peer, decision.host, port, protocol, stage="name", **named)
             raise refused
@@ -313,7 +314,7 @@ class Vetter:
             except ProxyError as exc:
                 if self.metrics is not None:
                     self.metrics.dns_lookup(time.monotonic() - started, exc.reason)
-                if exc.reason != NO_ADDRESS_ANSWER:
+                if exc.reason != Reason.DNS_NO_ADDRESS:
                     # Every DNS failure, a timeout included, is a 502 (DESIGN 3.6); 504 is kept
                     # for an upstream that does not answer the connect.
                     refused = Refused(502, exc.reason, exc.message, error=True)
@@ -331,7 +332,7 @@ class Vetter:
         checked = self._check_addresses(policy, host, addresses, cname_chain)
         if not checked.allowed or not checked.pinned:
             self.record(checked, peer, protocol, port=port, **named)
-            raise Refused(403, checked.reason or d.NO_ADDRESSES, checked.message)
+            raise Refused(403, checked.reason or Reason.NO_ADDRESSES, checked.message)
         vetted = Vetted(decision, checked, tuple(checked.pinned))
         if final:
             self.allowed(peer, protocol, stage="address", vetted=vetted, port=port, **context)

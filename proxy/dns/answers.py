@@ -48,8 +48,8 @@ import dns.rdataclass
 import dns.rdatatype
 
 from policy import PolicyError
-from policy import decisions as d
 from policy.hostnames import normalize_host
+from policy.reasons import Reason
 from proxy.reasons import Refused, shown
 
 if TYPE_CHECKING:
@@ -71,11 +71,6 @@ REFUSED = dns.rcode.REFUSED
 
 # Reason codes of the DNS responder (audit lines and metrics; the policy's and the resolver's
 # own codes are used as they are).
-DNS_QTYPE_NOT_SERVED = "dns_qtype_not_served"
-DNS_OPCODE_NOT_SERVED = "dns_opcode_not_served"
-DNS_CLASS_NOT_SERVED = "dns_class_not_served"
-DNS_MALFORMED = "dns_malformed"
-DNS_NOT_A_QUERY = "dns_not_a_query"
 
 # Clients may keep an answer this long (seconds). Short, so that a reload that narrows the
 # policy reaches their caches soon; the proxy decides and resolves again on every connection
@@ -88,7 +83,7 @@ UDP_ANSWER_LIMIT = 512
 
 _FAMILY: dict[int, int] = {A: 4, AAAA: 6}
 # DNS failures of the resolver that have an answer of their own (every other one is SERVFAIL).
-_DNS_FAILURE_RCODES = {"dns_nxdomain": NXDOMAIN}
+_DNS_FAILURE_RCODES: dict[str, dns.rcode.Rcode] = {Reason.DNS_NXDOMAIN: NXDOMAIN}
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,10 +144,12 @@ class DnsResponder:
             answer = await self._answer(query, peer, qtype)
         except Exception as exc:
             logger.exception("egress: deciding a DNS query failed")
-            answer = DnsAnswer(SERVFAIL, d.INTERNAL_ERROR)
+            answer = DnsAnswer(SERVFAIL, Reason.INTERNAL_ERROR)
             with contextlib.suppress(Exception):
                 name = query.questions[0].name if query.questions else None
-                refused = Refused(403, d.INTERNAL_ERROR, f"internal error: {type(exc).__name__}")
+                refused = Refused(
+                    403, Reason.INTERNAL_ERROR, f"internal error: {type(exc).__name__}"
+                )
                 self._refusal(refused, peer, name, qtype, stage="dns")
         self.count(qtype, rcode_text(answer.rcode))
         return answer
@@ -161,7 +158,7 @@ class DnsResponder:
         if query.opcode != QUERY:
             return self._refuse(
                 NOTIMP,
-                DNS_OPCODE_NOT_SERVED,
+                Reason.DNS_OPCODE_NOT_SERVED,
                 f"DNS opcode {_opcode_text(query.opcode)} is not served (only QUERY)",
                 peer,
                 None,
@@ -170,7 +167,7 @@ class DnsResponder:
         if len(query.questions) != 1:
             return self._refuse(
                 FORMERR,
-                DNS_MALFORMED,
+                Reason.DNS_MALFORMED,
                 f"a query has exactly one question, not {len(query.questions)}",
                 peer,
                 None,
@@ -180,7 +177,7 @@ class DnsResponder:
         if question.qclass != IN:
             return self._refuse(
                 REFUSED,
-                DNS_CLASS_NOT_SERVED,
+                Reason.DNS_CLASS_NOT_SERVED,
                 f"DNS class {_class_text(question.qclass)} is not served (only IN)",
                 peer,
                 question.name,
@@ -197,9 +194,9 @@ class DnsResponder:
                 vetter.record(decision, peer, "dns", method=qtype)
                 return DnsAnswer(REFUSED, decision.reason)
             message = f"{host}: {qtype} records are not served (only A and AAAA); no records"
-            refused = Refused(403, DNS_QTYPE_NOT_SERVED, message)
+            refused = Refused(403, Reason.DNS_QTYPE_NOT_SERVED, message)
             self._refusal(refused, peer, host, qtype, stage="request", rule=decision.rule)
-            return DnsAnswer(NOERROR, DNS_QTYPE_NOT_SERVED)
+            return DnsAnswer(NOERROR, Reason.DNS_QTYPE_NOT_SERVED)
         try:
             # A path-rule host is answered too: the proxy lets it through (inspected) on some
             # port, and the name stage of the connection decides that again.
@@ -209,7 +206,7 @@ class DnsResponder:
         except Refused as refused:
             if refused.error:  # a DNS failure of our resolver
                 return DnsAnswer(_DNS_FAILURE_RCODES.get(refused.reason, SERVFAIL), refused.reason)
-            if refused.reason == d.NO_ADDRESSES:  # the name has no address: say just that
+            if refused.reason == Reason.NO_ADDRESSES:  # the name has no address: say just that
                 return DnsAnswer(NOERROR, refused.reason)
             return DnsAnswer(REFUSED, refused.reason)
         family = _FAMILY[question.qtype]
@@ -252,7 +249,12 @@ class DnsResponder:
 
 
 _REQUEST_REASONS = frozenset(
-    {DNS_OPCODE_NOT_SERVED, DNS_CLASS_NOT_SERVED, DNS_MALFORMED, DNS_NOT_A_QUERY}
+    {
+        Reason.DNS_OPCODE_NOT_SERVED,
+        Reason.DNS_CLASS_NOT_SERVED,
+        Reason.DNS_MALFORMED,
+        Reason.DNS_NOT_A_QUERY,
+    }
 )
 
 

@@ -38,13 +38,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 import dns.message
 
+from policy.reasons import Reason
 from proxy.decide.vetting import Peer, next_connection_id
 from proxy.dns.answers import FORMERR, DnsQuery, DnsResponder
 from proxy.dns.tcp import TcpConnection
 from proxy.dns.wire import Unanswerable, read_query, render, udp_limit
 from proxy.errors import ProxyError
 from proxy.netaddr import Listener, own_listener
-from proxy.reasons import OVERLOAD, PROXY_LOOP
 
 if TYPE_CHECKING:
     from policy import Policy
@@ -214,7 +214,7 @@ class DnsServer:
             victim = _evictable(self.tcp)
             if victim is None:
                 self.responder.refuse_message(
-                    connection.peer, OVERLOAD, "too many DNS connections at once", rcode=None
+                    connection.peer, Reason.OVERLOAD, "too many DNS connections at once", rcode=None
                 )
                 return False
             victim.close_for_room()
@@ -274,7 +274,7 @@ class _UdpProtocol(asyncio.DatagramProtocol):
         peer = Peer(client, next_connection_id())
         if server.is_own(*client):
             message = "a DNS message from this server's own address: never answered"
-            responder.refuse_message(peer, PROXY_LOOP, message, rcode=None)
+            responder.refuse_message(peer, Reason.PROXY_LOOP, message, rcode=None)
             return
         read = server.read(data, peer)
         if read is None or isinstance(read, bytes):
@@ -283,7 +283,7 @@ class _UdpProtocol(asyncio.DatagramProtocol):
             return
         if not server.admit():
             message = "too many DNS queries in flight: dropped"
-            responder.refuse_message(peer, OVERLOAD, message, rcode=None)
+            responder.refuse_message(peer, Reason.OVERLOAD, message, rcode=None)
             return
         server.spawn(self._answer(*read, peer, addr))
 

@@ -23,10 +23,9 @@ import asyncio
 import struct
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
+from policy.reasons import Reason
 from proxy.decide.vetting import Peer, next_connection_id
-from proxy.dns.answers import DNS_MALFORMED
 from proxy.dns.wire import HEADER, MAX_QUERY, TCP_ANSWER_LIMIT
-from proxy.reasons import HEADER_TIMEOUT, OVERLOAD
 
 if TYPE_CHECKING:
     from collections.abc import Coroutine
@@ -123,7 +122,9 @@ class TcpConnection(asyncio.Protocol):
             return
         self.buffer += data
         if len(self.buffer) > MAX_BUFFERED:
-            self._refuse(OVERLOAD, f"more than {MAX_BUFFERED} bytes of DNS queries unanswered")
+            self._refuse(
+                Reason.OVERLOAD, f"more than {MAX_BUFFERED} bytes of DNS queries unanswered"
+            )
             self._close()
             return
         self._pump()
@@ -157,7 +158,9 @@ class TcpConnection(asyncio.Protocol):
     def close_for_room(self) -> None:
         """Closed to make room for a new connection (the server is at its cap)."""
         if self.message_since is not None:
-            self._refuse(OVERLOAD, "an unfinished DNS message closed to make room for a client")
+            self._refuse(
+                Reason.OVERLOAD, "an unfinished DNS message closed to make room for a client"
+            )
         self._close()
 
     def abort(self) -> None:
@@ -186,7 +189,7 @@ class TcpConnection(asyncio.Protocol):
             return False
         (length,) = _LENGTH.unpack_from(self.buffer)
         if not HEADER.size <= length <= MAX_QUERY:
-            self._refuse(DNS_MALFORMED, f"a DNS message of {length} bytes over TCP")
+            self._refuse(Reason.DNS_MALFORMED, f"a DNS message of {length} bytes over TCP")
             self._close()
             return False
         if len(self.buffer) < _LENGTH.size + length or self._waiting:
@@ -236,7 +239,9 @@ class TcpConnection(asyncio.Protocol):
         whole = self._whole_message()
         if self._eof and not whole:
             if self.buffer:
-                self._refuse(DNS_MALFORMED, "connection closed in the middle of a DNS message")
+                self._refuse(
+                    Reason.DNS_MALFORMED, "connection closed in the middle of a DNS message"
+                )
                 self.buffer.clear()
             if not self.in_flight:
                 self._close()
@@ -281,7 +286,9 @@ class TcpConnection(asyncio.Protocol):
     def _header_timed_out(self) -> None:
         self._timer = None
         waited = f"{self.limits.header_timeout:g}s"
-        self._refuse(HEADER_TIMEOUT, f"no whole DNS message within {waited} of its first byte")
+        self._refuse(
+            Reason.HEADER_TIMEOUT, f"no whole DNS message within {waited} of its first byte"
+        )
         self._close()
 
     def _refuse(self, reason: str, message: str) -> None:

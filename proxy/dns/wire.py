@@ -28,9 +28,8 @@ import dns.rcode
 import dns.rdataclass
 import dns.rrset
 
+from policy.reasons import Reason
 from proxy.dns.answers import (
-    DNS_MALFORMED,
-    DNS_NOT_A_QUERY,
     FORMERR,
     NOERROR,
     SERVFAIL,
@@ -89,12 +88,12 @@ def read_query(data: bytes) -> tuple[dns.message.Message, DnsQuery]:
     """The message and the query the responder decides; raises Unanswerable."""
     header = read_header(data)
     if header is None:
-        raise Unanswerable(DNS_MALFORMED, f"not a DNS message: {len(data)} bytes", None)
+        raise Unanswerable(Reason.DNS_MALFORMED, f"not a DNS message: {len(data)} bytes", None)
     if header.is_response:
-        raise Unanswerable(DNS_NOT_A_QUERY, "a DNS response sent as a query", None)
+        raise Unanswerable(Reason.DNS_NOT_A_QUERY, "a DNS response sent as a query", None)
     if len(data) > MAX_QUERY:
         raise Unanswerable(
-            DNS_MALFORMED,
+            Reason.DNS_MALFORMED,
             f"a DNS message of {len(data)} bytes (a query has at most {MAX_QUERY})",
             header_only(header, FORMERR),
         )
@@ -103,7 +102,7 @@ def read_query(data: bytes) -> tuple[dns.message.Message, DnsQuery]:
     except Exception as exc:  # hostile bytes raise many types, not only DNSException
         detail = f"{type(exc).__name__}: {exc}"[:200]
         raise Unanswerable(
-            DNS_MALFORMED, f"not a DNS message: {detail}", header_only(header, FORMERR)
+            Reason.DNS_MALFORMED, f"not a DNS message: {detail}", header_only(header, FORMERR)
         ) from None
     questions = tuple(
         DnsQuestion(name_text(q.name), int(q.rdtype), int(q.rdclass)) for q in message.question

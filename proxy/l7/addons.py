@@ -27,22 +27,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from mitmproxy import http, tcp
 
+from policy.reasons import Reason
 from proxy.errors import ProxyError
 from proxy.l7.modes import CloseClient
 from proxy.l7.patches import ANSWER
 from proxy.l7.rules import WEBSOCKET, check_request, denial, is_websocket, upgrade_tokens
 from proxy.l7.state import Dial
-from proxy.reasons import (
-    INTERNAL_ERROR,
-    NOT_VETTED,
-    UPGRADE_REFUSED,
-    UPSTREAM_REFUSED,
-    UPSTREAM_TIMEOUT,
-    UPSTREAM_TLS,
-    Refused,
-    authority,
-    shown,
-)
+from proxy.reasons import Refused, authority, shown
 
 if TYPE_CHECKING:
     from mitmproxy.connection import Client
@@ -156,12 +147,14 @@ class _Hooks:
             connection = self.ledger.get(client.id) if client is not None else None
             if connection is not None:
                 message = f"internal error in {hook}: {type(exc).__name__}"
-                self.refusal(connection, Refused(403, INTERNAL_ERROR, message), stage="engine")
+                self.refusal(
+                    connection, Refused(403, Reason.INTERNAL_ERROR, message), stage="engine"
+                )
             deny(self, argument)
         except Exception:
             logger.exception("egress: denying after the %s hook failed failed too", hook)
             if connection is not None:
-                connection.end(INTERNAL_ERROR)
+                connection.end(Reason.INTERNAL_ERROR)
             elif callable(getattr(argument, "kill", None)):
                 argument.kill()  # a flow of no connection of ours: it goes nowhere
 
@@ -173,7 +166,7 @@ def _deny_request(addon: _Hooks, flow: http.HTTPFlow) -> None:
         if connection
         else ("proxy", None)
     )
-    answer(flow, denial(Refused(403, INTERNAL_ERROR, "internal error"), host, port))
+    answer(flow, denial(Refused(403, Reason.INTERNAL_ERROR, "internal error"), host, port))
 
 
 def _kill(addon: _Hooks, flow: http.HTTPFlow | tcp.TCPFlow) -> None:
@@ -181,12 +174,12 @@ def _kill(addon: _Hooks, flow: http.HTTPFlow | tcp.TCPFlow) -> None:
 
 
 def _end_connection(addon: _Hooks, argument: Any) -> None:
-    addon.connection(_client_of(argument)).end(INTERNAL_ERROR)
+    addon.connection(_client_of(argument)).end(Reason.INTERNAL_ERROR)
 
 
 def _refuse_dial(addon: _Hooks, data: ServerConnectionHookData) -> None:
     addon.ledger.forget_dial(data.server.id)
-    data.server.error = f"egress-proxy: {INTERNAL_ERROR}: internal error"
+    data.server.error = f"egress-proxy: {Reason.INTERNAL_ERROR}: internal error"
 
 
 def _close_client(addon: _Hooks, nextlayer: NextLayer) -> None:
@@ -214,7 +207,7 @@ class RequestGate(_Hooks):
         try:
             refused = check_request(request, destination)
             if refused is not None:
-                stage = "request" if refused.reason == UPGRADE_REFUSED else "host"
+                stage = "request" if refused.reason == Reason.UPGRADE_REFUSED else "host"
                 self.refusal(connection, refused, stage=stage, **context)
                 raise refused
             vetted = await self.vetter.vet(
@@ -242,7 +235,9 @@ class RequestGate(_Hooks):
             return
         asked = ", ".join(upgrade_tokens(response.headers)) or "nothing named"
         refused = Refused(
-            403, UPGRADE_REFUSED, f"the upstream switched protocols to {shown(asked)!r} unasked"
+            403,
+            Reason.UPGRADE_REFUSED,
+            f"the upstream switched protocols to {shown(asked)!r} unasked",
         )
         self.refusal(connection, refused, stage="request", method=flow.request.method)
         flow.kill()
@@ -266,11 +261,17 @@ class RequestGate(_Hooks):
         if match is not None:
             reason = match.group(1)
         elif connection.tls_failure is not None and message == connection.tls_failure:
-            reason, message = UPSTREAM_TLS, f"egress-proxy: {UPSTREAM_TLS}: {message}"
+            reason, message = Reason.UPSTREAM_TLS, f"egress-proxy: {Reason.UPSTREAM_TLS}: {message}"
             connection.tls_failure = None
         else:
             return  # not an upstream failure of ours: mitmproxy's own answer stands
-        status = 504 if reason == UPSTREAM_TIMEOUT else 403 if reason == NOT_VETTED else 502
+        status = (
+            504
+            if reason == Reason.UPSTREAM_TIMEOUT
+            else 403
+            if reason == Reason.NOT_VETTED
+            else 502
+        )
         refused = Refused(status, reason, message, error=status != 403)
         destination = connection.destination
         flow.metadata[ANSWER] = denial(refused, destination.host, destination.port)
@@ -300,8 +301,10 @@ class Pinning(_Hooks):
         address = server.address
         pins = connection.vetted.get((address[0], address[1])) if address else None
         if not pins or address is None:
-            server.error = f"egress-proxy: {NOT_VETTED}: server connection not vetted by policy"
-            refused = Refused(403, NOT_VETTED, "server connection not vetted by policy")
+            server.error = (
+                f"egress-proxy: {Reason.NOT_VETTED}: server connection not vetted by policy"
+            )
+            refused = Refused(403, Reason.NOT_VETTED, "server connection not vetted by policy")
             self.refusal(connection, refused, stage="connect")
             return
         if server.tls:
@@ -319,10 +322,13 @@ class Pinning(_Hooks):
     def server_connect_error(self, data: ServerConnectionHookData) -> None:
         self.ledger.forget_dial(data.server.id)
         match = _OURS.match(str(data.server.error or ""))
-        if match is None or match.group(1) not in (UPSTREAM_REFUSED, UPSTREAM_TIMEOUT):
+        if match is None or match.group(1) not in (
+            Reason.UPSTREAM_REFUSED,
+            Reason.UPSTREAM_TIMEOUT,
+        ):
             return  # refused before any dial: that refusal has its own line
         reason = match.group(1)
-        status = 504 if reason == UPSTREAM_TIMEOUT else 502
+        status = 504 if reason == Reason.UPSTREAM_TIMEOUT else 502
         refused = Refused(status, reason, str(data.server.error), error=True)
         self.refusal(self.connection(data.client), refused, stage="upstream")
 
@@ -333,14 +339,16 @@ class Pinning(_Hooks):
         connection = self.connection(data.context.client)
         message = str(data.conn.error or "TLS handshake failed")
         connection.tls_failure = message
-        self.refusal(connection, Refused(502, UPSTREAM_TLS, message, error=True), stage="upstream")
+        self.refusal(
+            connection, Refused(502, Reason.UPSTREAM_TLS, message, error=True), stage="upstream"
+        )
 
     @fail_closed(_end_connection)
     def tls_failed_client(self, data: TlsData) -> None:
         # Most often the client does not trust the session CA: its close line says so.
         connection = self.connection(data.context.client)
-        if connection.close_reason == "closed":
-            connection.close_reason = "client_tls_failed"
+        if connection.close_reason == Reason.CLOSED:
+            connection.close_reason = Reason.CLIENT_TLS_FAILED
 
     @fail_closed(_close_client)
     def next_layer(self, nextlayer: NextLayer) -> None:

@@ -36,6 +36,7 @@ from mitmproxy import options
 from mitmproxy.addons import proxyserver, tlsconfig
 from mitmproxy.master import Master
 
+from policy.reasons import Reason
 from proxy.decide.events import CloseEvent
 from proxy.decide.vetting import Vetter
 from proxy.errors import ProxyError
@@ -44,7 +45,7 @@ from proxy.l7.addons import STREAM_LARGE_BODIES, Pinning, RequestGate
 from proxy.l7.ca import CertificateAuthority, check_upstream_ca, ensure_ca
 from proxy.l7.modes import InterceptInstance, InterceptMode
 from proxy.l7.state import Bytes, Intercepted, Ledger
-from proxy.reasons import HEADER_TIMEOUT, POLICY_RELOAD, Refused
+from proxy.reasons import Refused
 
 if TYPE_CHECKING:
     from policy import Policy
@@ -141,7 +142,7 @@ class Engine:
                 logger.exception("egress: re-deciding an intercepted connection failed")
                 allowed = False  # fail closed
             if not allowed:
-                connection.end(POLICY_RELOAD)
+                connection.end(Reason.POLICY_RELOAD)
                 closed.append(connection.destination.peer.connection)
         return closed
 
@@ -234,7 +235,7 @@ class Engine:
         while self._live and loop.time() < deadline:
             await asyncio.sleep(0.02)
         for connection in list(self._live):
-            connection.end("drain_timeout" if timeout else "shutdown")
+            connection.end(Reason.DRAIN_TIMEOUT if timeout else Reason.SHUTDOWN)
         deadline = loop.time() + SHUTDOWN_GRACE
         while self._live and loop.time() < deadline:
             await asyncio.sleep(0.01)
@@ -267,7 +268,7 @@ class Engine:
         except asyncio.CancelledError:
             # The front door gave up on it (a drain that timed out). Cancelling mitmproxy's
             # handler mid-way would skip its own ending: the connection is cut under it instead.
-            connection.end("shutdown")
+            connection.end(Reason.SHUTDOWN)
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await asyncio.wait_for(serving, SHUTDOWN_GRACE)
             raise
@@ -290,7 +291,7 @@ class Engine:
         try:
             refused = Refused(
                 408,
-                HEADER_TIMEOUT,
+                Reason.HEADER_TIMEOUT,
                 f"no request head within {self.config.limits.header_timeout:g}s",
             )
             self.vetter.refusal(
@@ -298,7 +299,7 @@ class Engine:
                 connection.protocol, stage="accept",
             )  # fmt: skip
         finally:
-            connection.end(HEADER_TIMEOUT)
+            connection.end(Reason.HEADER_TIMEOUT)
 
     def _closed(self, connection: Intercepted) -> None:
         """The close line and the close metrics, once per connection."""

@@ -34,9 +34,9 @@ from mitmproxy.connection import ConnectionState, Server
 from mitmproxy.proxy import events, layer, mode_servers, server, server_hooks
 from mitmproxy.proxy.layers import http as http_layers
 
+from policy.reasons import Reason
 from proxy.errors import ProxyError
 from proxy.net.dialing import UpstreamError, dial_checked
-from proxy.reasons import NOT_VETTED
 
 if TYPE_CHECKING:
     from mitmproxy.proxy import commands
@@ -132,7 +132,7 @@ class DialingHandler(mode_servers.ProxyConnectionHandler):
         if dial is None or connection.error or not connection.address:
             # Refused by a hook, or never allowed by one: nothing is dialled (fail closed).
             connection.error = connection.error or (
-                f"egress-proxy: {NOT_VETTED}: server connection not vetted by policy"
+                f"egress-proxy: {Reason.NOT_VETTED}: server connection not vetted by policy"
             )
             self.log(f"server connection refused before connect: {connection.error}")
             await self.handle_hook(server_hooks.ServerConnectErrorHook(hook_data))

@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING
 
 from mitmproxy import http
 
+from policy.reasons import Reason
 from proxy.decide.http_checks import WEBSOCKET, parse_host_field
 from proxy.decide.http_checks import check_host as check_host_fields
 from proxy.decide.http_checks import check_upgrade as check_upgrade_fields
 from proxy.decide.http_checks import upgrade_tokens as tokens_of
-from proxy.reasons import HOST_MISMATCH, Refused, authority, refusal_parts, shown
+from proxy.reasons import Refused, authority, refusal_parts, shown
 
 if TYPE_CHECKING:
     from proxy.decide.interception import Destination
@@ -58,7 +59,7 @@ def check_host(request: http.Request, destination: Destination) -> Refused | Non
         return refused
     target = request.authority
     if target and parse_host_field(target, 443) != (host, port):
-        return Refused(403, HOST_MISMATCH, f"request for {shown(target)!r} inside {where}")
+        return Refused(403, Reason.HOST_MISMATCH, f"request for {shown(target)!r} inside {where}")
     return None
 
 

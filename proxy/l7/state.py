@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from policy.reasons import Reason
+
 if TYPE_CHECKING:
     from proxy.decide.events import MetricsSink
     from proxy.decide.interception import Destination
@@ -57,7 +59,7 @@ class Intercepted:
     upstream: str | None = None  # the address last connected to
     upgraded: str | None = None  # the URL whose request opened a WebSocket, for reloads
     tls_failure: str | None = None  # the last failed upstream handshake's message, unanswered
-    close_reason: str = "closed"
+    close_reason: str = Reason.CLOSED
     head_timer: asyncio.TimerHandle | None = None  # until the first request head arrives
 
     def __post_init__(self) -> None:
@@ -67,7 +69,7 @@ class Intercepted:
     def end(self, reason: str) -> None:
         """Closes the client connection (a reload, the drain, a timeout, a failed hook);
         mitmproxy winds its handler down on the loss, and the close line says `reason`."""
-        if self.close_reason == "closed":
+        if self.close_reason == Reason.CLOSED:
             self.close_reason = reason
         self.cancel_head_timer()
         self.transport.abort()

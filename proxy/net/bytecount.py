@@ -3,13 +3,7 @@ it ended."""
 
 from __future__ import annotations
 
-from typing import Final
-
 # Why a relay ended (the close line's `reason`).
-CLOSED: Final = "closed"  # both directions ended with EOF
-IDLE_TIMEOUT: Final = "idle_timeout"
-RESET: Final = "reset"  # a reset (or a send/receive error) on either side
-ERROR: Final = "error"  # a bug of ours: both sides reset
 
 
 class Counter:

@@ -14,7 +14,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, cast
 
-from proxy.reasons import UPSTREAM_REFUSED, UPSTREAM_TIMEOUT, authority, shown
+from policy.reasons import Reason
+from proxy.reasons import authority, shown
 
 if TYPE_CHECKING:
     from proxy.decide.events import MetricsSink
@@ -48,9 +49,9 @@ async def dial_checked[T](
             async with asyncio.timeout(timeout):
                 connected = await connect(address, port)
         except TimeoutError:  # before OSError: TimeoutError is one
-            outcome = UPSTREAM_TIMEOUT
+            outcome = Reason.UPSTREAM_TIMEOUT
         except OSError:
-            outcome = UPSTREAM_REFUSED
+            outcome = Reason.UPSTREAM_REFUSED
         else:
             if metrics is not None:
                 metrics.upstream_connect(time.monotonic() - started, "ok")
@@ -58,13 +59,15 @@ async def dial_checked[T](
         if metrics is not None:
             metrics.upstream_connect(time.monotonic() - started, outcome)
         failures.append((address, outcome))
-    timed_out = bool(failures) and all(outcome == UPSTREAM_TIMEOUT for _, outcome in failures)
+    timed_out = bool(failures) and all(
+        outcome == Reason.UPSTREAM_TIMEOUT for _, outcome in failures
+    )
     tried = ", ".join(
-        f"{address} {'timed out' if outcome == UPSTREAM_TIMEOUT else 'refused'}"
+        f"{address} {'timed out' if outcome == Reason.UPSTREAM_TIMEOUT else 'refused'}"
         for address, outcome in failures
     )
     raise UpstreamError(
-        UPSTREAM_TIMEOUT if timed_out else UPSTREAM_REFUSED,
+        Reason.UPSTREAM_TIMEOUT if timed_out else Reason.UPSTREAM_REFUSED,
         f"{shown(authority(name, port))} ({tried or 'no address'})",
     )
 

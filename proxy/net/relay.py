@@ -33,7 +33,8 @@ import socket
 from collections.abc import Callable
 from typing import Any, Final
 
-from proxy.net.bytecount import CLOSED, ERROR, IDLE_TIMEOUT, RESET, Counter
+from policy.reasons import Reason
+from proxy.net.bytecount import Counter
 from proxy.net.splice import LINGER_RESET, SpliceRelay, splice_available
 
 logger = logging.getLogger(__name__)
@@ -156,7 +157,7 @@ class Relay:
             self._timer = self.loop.call_at(deadline, self._on_timer)
         else:
             self._timer = None
-            self._end(IDLE_TIMEOUT, _DROP)
+            self._end(Reason.IDLE_TIMEOUT, _DROP)
 
     # -- events of the sides ---------------------------------------------------------------------
 
@@ -169,15 +170,15 @@ class Relay:
 
     def side_ended(self) -> None:
         if self._up.sent_eof and self._down.sent_eof:
-            self._end(CLOSED, _FLUSH)
+            self._end(Reason.CLOSED, _FLUSH)
 
     def side_lost(self, side: _Side, exc: Exception | None) -> None:
         # A transport closed under us: a reset, or a close we did not ask for.
-        self._end(RESET if exc is not None or not side.sent_eof else CLOSED, _RESET)
+        self._end(Reason.RESET if exc is not None or not side.sent_eof else Reason.CLOSED, _RESET)
 
     def side_failed(self) -> None:
         logger.exception("egress: the relay failed")
-        self._end(ERROR, _RESET)
+        self._end(Reason.ERROR, _RESET)
 
     def drained(self) -> None:
         if self._wants_splice:
@@ -331,4 +332,4 @@ def _set_linger_reset(transport: asyncio.BaseTransport) -> None:
         raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, LINGER_RESET)
 
 
-__all__ = ["CLOSED", "ERROR", "IDLE_TIMEOUT", "RESET", "SPLICE_AFTER", "Counter", "Relay"]
+__all__ = ["SPLICE_AFTER", "Counter", "Relay"]

@@ -33,6 +33,7 @@ import dns.rdatatype
 import dns.rrset
 
 from policy import PolicyError, normalize_host
+from policy.reasons import Reason
 from proxy.errors import ProxyError
 from proxy.net.dnsquery import Failed, Reply, ask
 
@@ -241,15 +242,19 @@ class Resolver:
         try:
             normal = normalize_host(host)
         except PolicyError as exc:
-            reason = "dns_ip_literal" if exc.reason == "ip_literal" else "invalid_host"
+            reason = (
+                Reason.DNS_IP_LITERAL if exc.reason == Reason.IP_LITERAL else Reason.INVALID_HOST
+            )
             raise ProxyError(reason, f"{exc.message}: never resolved") from None
         if normal != host:
-            raise ProxyError("invalid_host", f"host {host[:100]!r} is not normalised ({normal!r})")
+            raise ProxyError(
+                Reason.INVALID_HOST, f"host {host[:100]!r} is not normalised ({normal!r})"
+            )
         try:
             # from_text makes an absolute name (relative to the root): no search domain applies.
             return dns.name.from_text(host)
         except dns.exception.DNSException as exc:
-            raise ProxyError("invalid_host", f"invalid host {host[:100]!r}: {exc}") from None
+            raise ProxyError(Reason.INVALID_HOST, f"invalid host {host[:100]!r}: {exc}") from None
 
     def _deliver(self, outcome: Answer | _Failure, *, from_cache: bool) -> Answer:
         if isinstance(outcome, _Failure):
@@ -286,7 +291,7 @@ class Resolver:
             families = [self._family(replies.get(rdtype)) for rdtype in _RDTYPES]
             return self._combine(host, families)
         except Exception as exc:
-            return _Failure("dns_error", f"{host}: DNS lookup failed ({type(exc).__name__})")
+            return _Failure(Reason.DNS_ERROR, f"{host}: DNS lookup failed ({type(exc).__name__})")
 
     async def _ask(self, qname: dns.name.Name) -> dict[int, Reply | None]:
         """A and AAAA of `qname`, asked of each nameserver in turn (both families in one
@@ -363,16 +368,16 @@ class Resolver:
         for family in families:
             if family.kind == "timeout":
                 return _Failure(
-                    "dns_timeout", f"{host}: DNS lookup timed out after {self.timeout:g}s"
+                    Reason.DNS_TIMEOUT, f"{host}: DNS lookup timed out after {self.timeout:g}s"
                 )
         for family in families:
             if family.kind == "error":
-                return _Failure("dns_error", f"{host}: DNS lookup failed ({family.detail})")
+                return _Failure(Reason.DNS_ERROR, f"{host}: DNS lookup failed ({family.detail})")
         negative = min(min(f.ttl for f in families), self.negative_ttl)
         if all(f.kind == "nxdomain" for f in families):
-            failure = _Failure("dns_nxdomain", f"{host}: no such domain (NXDOMAIN)")
+            failure = _Failure(Reason.DNS_NXDOMAIN, f"{host}: no such domain (NXDOMAIN)")
         else:
-            failure = _Failure("dns_no_address", f"{host}: the name has no A or AAAA record")
+            failure = _Failure(Reason.DNS_NO_ADDRESS, f"{host}: the name has no A or AAAA record")
         self._cache_put(host, failure, negative)
         return failure
 

@@ -26,7 +26,8 @@ import sys
 from collections.abc import Callable
 from typing import Final
 
-from proxy.net.bytecount import CLOSED, ERROR, IDLE_TIMEOUT, RESET, Counter
+from policy.reasons import Reason
+from proxy.net.bytecount import Counter
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +92,8 @@ def reason_of(exc: BaseException) -> str:
     """The relay's end reason for a socket error."""
     # ETIMEDOUT is TCP giving up on the peer (retransmissions, keepalive): a reset in effect.
     if isinstance(exc, ConnectionError | TimeoutError):
-        return RESET
-    return ERROR
+        return Reason.RESET
+    return Reason.ERROR
 
 
 def _shutdown_write(sock: socket.socket) -> None:
@@ -262,7 +263,7 @@ class SpliceRelay:
         self._on_ready(self._up)
         self._on_ready(self._down)
         if self._up.done and self._down.done:
-            self.finish(CLOSED)
+            self.finish(Reason.CLOSED)
 
     def close(self, reason: str) -> None:
         """Ends the relay from outside (a reload, the drain): both sides closed."""
@@ -275,7 +276,7 @@ class SpliceRelay:
             self._timer = self.loop.call_at(deadline, self._on_timer)
         else:
             self._timer = None
-            self.finish(IDLE_TIMEOUT)
+            self.finish(Reason.IDLE_TIMEOUT)
 
     def finish(self, reason: str) -> None:
         if self._ended:
@@ -289,7 +290,7 @@ class SpliceRelay:
         for d in (self._up, self._down):
             self._unregister(d)
             d.close_pipe()
-        abortive = reason in (RESET, ERROR)
+        abortive = reason in (Reason.RESET, Reason.ERROR)
         close_socket(self.client, abortive)
         close_socket(self.upstream, abortive)
         self._on_end(reason)
@@ -299,7 +300,7 @@ class SpliceRelay:
             self._pump(d)
         except Exception:
             logger.exception("egress: the splice relay failed")
-            self.finish(ERROR)
+            self.finish(Reason.ERROR)
 
     def _pump(self, d: _Direction) -> None:
         """Moves what can be moved now for one direction, then waits for what it needs next."""
@@ -312,7 +313,7 @@ class SpliceRelay:
                     n = os.splice(d.pipe_r, d.dst, d.buffered, flags=_SPLICE_FLAGS)
                     if n <= 0:
                         # A pipe holding bytes always gives some; no progress would spin.
-                        self.finish(ERROR)
+                        self.finish(Reason.ERROR)
                         return
                     d.buffered -= n
                     if d.is_up:
@@ -367,7 +368,7 @@ class SpliceRelay:
         d.close_pipe()
         _shutdown_write(d.dst_sock)
         if self._up.done and self._down.done:
-            self.finish(CLOSED)
+            self.finish(Reason.CLOSED)
 
     def _unregister(self, d: _Direction) -> None:
         if d.reading:

@@ -105,6 +105,10 @@ class _LabelGuard:
     def __call__(self, value: object) -> str:
         if not isinstance(value, str):
             return OTHER
+        if type(value) is not str:
+            # A Reason (a StrEnum) or another str subclass: the label is its bare value, never
+            # the member (which would be kept as the series key and rendered by its own rules).
+            value = str.__str__(value)
         if self._allowed is not None:
             return value if value in self._allowed else OTHER
         if value in self._seen:
