@@ -8,7 +8,8 @@ each request is decided on its own, in order, before anything goes upstream:
 2. the name stage on `http://host:port/path` (URL-prefix rules read the path as the policy does),
    DNS once, the address stage and the loop guard (proxy/dataplane/tunnel.py's `vet`);
 3. an idle pooled connection to one of the checked addresses, or a dial of them; then the
-   request's one allow line, and the exchange (proxy/dataplane/http_upstream.py).
+   request's one allow line (proxy/dataplane/http_forward.py), and the exchange
+   (proxy/dataplane/http_upstream.py).
 
 A denial is a 403 with X-Egress-Denied that leaves the connection usable, unless the request has
 a body still on its way: then it is answered at once and the connection closed, the body never
@@ -27,22 +28,19 @@ from typing import TYPE_CHECKING, Any, Final
 import httptools
 
 from policy.reasons import Reason
-from proxy.dataplane import tunnel
+from proxy.dataplane.http_forward import serve
 from proxy.dataplane.http_messages import (
     MAX_FIELDS,
     MAX_HEAD,
     Fields,
     RequestHead,
     body_framing,
-    forwarded_fields,
-    request_head,
 )
-from proxy.dataplane.http_requests import Rejected, Request, destination
-from proxy.dataplane.http_upstream import FAILED, REUSABLE, STALE, SWITCHED, Exchange
+from proxy.dataplane.http_requests import Request
+from proxy.dataplane.http_upstream import Exchange
 from proxy.decide.http_checks import WEBSOCKET
-from proxy.net.dialing import UpstreamError, connect_upstream, dial_checked
 from proxy.net.relay import Relay
-from proxy.reasons import Refused, authority, refusal_response
+from proxy.reasons import Refused, refusal_response
 
 if TYPE_CHECKING:
     from proxy.dataplane.connection import Connection
@@ -55,8 +53,6 @@ MAX_HELD: Final = 256 << 10
 # A refused request's body is read and dropped for at most this long after the answer, so the
 # client sees the answer rather than a reset for bytes still in flight.
 LINGER: Final = 2.0
-# Methods a stale pooled connection may be retried for (nothing of them was sent or read).
-_RETRIABLE: Final = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
 
 
 class HttpPlane(asyncio.Protocol):
@@ -237,7 +233,7 @@ class HttpPlane(asyncio.Protocol):
     async def _serve_all(self) -> None:
         while self.requests and not self.conn.gone:
             request = self.requests[0]
-            keep = await self._serve(request)
+            keep = await serve(self, request)
             self.requests.popleft()
             if not keep or self.closing:
                 if not self.lingering:
@@ -250,58 +246,7 @@ class HttpPlane(asyncio.Protocol):
         if not task.cancelled() and task.exception() is not None:
             self.fail(task.exception())  # type: ignore[arg-type]
 
-    async def _serve(self, request: Request) -> bool:
-        """One request, decided and forwarded (or refused); False when the connection ends."""
-        head = request.head
-        conn = self.conn
-        context: dict[str, Any] = {"method": head.method, "path": head.target}
-        host: str | None = None
-        port = conn.port if self.transparent else None
-        try:
-            if request.refused is not None:
-                raise self._refusal(request.refused, None, port, "request", context)
-            host, port, path = destination(request, port, context)
-            url = f"http://{authority(host, port)}{path}"
-            vetted = await tunnel.vet(conn, url, port, conn.door.vetter.decide(url), **context)
-            name = vetted.decision.host
-            request.upstream_head = request_head(
-                head.method,
-                path,
-                forwarded_fields(head.fields),
-                chunked=request.chunked,
-                upgrade=request.websocket,
-            )
-            for attempt in range(2):
-                exchange = await self._connect(request, name, port, context, fresh=attempt > 0)
-                if attempt == 0:
-                    conn.door.vetter.allowed(
-                        conn.peer, conn.protocol, stage="address", vetted=vetted, port=port,
-                        **context,
-                    )  # fmt: skip
-                outcome = await self._exchange(exchange)
-                if outcome != STALE:
-                    break
-        except Rejected as rejected:
-            refused = self._refusal(
-                rejected.refused, rejected.host, rejected.port, rejected.stage, context
-            )
-            return self.answer_refusal(request, refused, rejected.host, rejected.port)
-        except Refused as refused:
-            return self.answer_refusal(request, refused, host, port)
-        if outcome == SWITCHED:
-            return True  # the relay has both transports now
-        if outcome == FAILED:
-            return False
-        if outcome == REUSABLE:
-            address = exchange.transport.get_extra_info("peername")[0]
-            self.door.http_pool().put(name, port, address, exchange.transport)
-        else:
-            exchange.transport.close()
-        # A body still arriving goes to the finished exchange, which drops it; the next request
-        # is parsed after it.
-        return not (request.websocket or self.closing)
-
-    def _refusal(
+    def refusal(
         self,
         refused: Refused,
         host: str | None,
@@ -314,52 +259,6 @@ class HttpPlane(asyncio.Protocol):
             refused, conn.peer, host, port, conn.protocol, stage=stage, **context
         )
         return refused
-
-    async def _connect(
-        self, request: Request, name: str, port: int, context: dict[str, Any], *, fresh: bool
-    ) -> Exchange:
-        """An idle pooled connection to a checked address (not for a body that cannot be sent
-        twice), else a dial of the checked addresses; Refused (502/504) after its line."""
-        conn, door = self.conn, self.door
-        pinned = conn.pinned
-        if not fresh and not request.has_body and request.head.method in _RETRIABLE:
-            taken = door.http_pool().take(name, port, pinned)
-            if taken is not None:
-                transport, address = taken
-                conn.upstream = authority(address, port)
-                return Exchange(self, request, transport, reused=True)
-        try:
-            transport, upstream = await dial_checked(
-                name, pinned, port, connect_upstream,
-                timeout=door.config.limits.connect_timeout, metrics=door.metrics,
-            )  # fmt: skip
-        except UpstreamError as exc:
-            status = 504 if exc.reason == Reason.UPSTREAM_TIMEOUT else 502
-            refused = Refused(status, exc.reason, exc.message, error=True)
-            raise self._refusal(refused, name, port, "upstream", context) from None
-        address = transport.get_extra_info("peername")
-        conn.upstream = authority(address[0], address[1])
-        exchange = Exchange(self, request, transport, reused=False)
-        early = upstream.take_early()
-        if upstream.lost or upstream.eof or early:
-            transport.abort()
-            message = "the upstream spoke or closed before the request"
-            raise self._refusal(
-                Refused(502, Reason.UPSTREAM_ERROR, message, error=True),
-                name,
-                port,
-                "upstream",
-                context,
-            )
-        return exchange
-
-    async def _exchange(self, exchange: Exchange) -> str:
-        self.exchange = exchange
-        try:
-            exchange.send()
-            return await exchange.done
-        finally:
-            self.exchange = None
 
     # -- answers -------------------------------------------------------------------------------
 
@@ -397,7 +296,7 @@ class HttpPlane(asyncio.Protocol):
         context: dict[str, Any] = {}
         if self.url:
             context["path"] = self.url.decode("latin-1")
-        self._refusal(
+        self.refusal(
             refused, None, self.conn.port if self.transparent else None, "request", context
         )
         if self._answerable():
@@ -428,7 +327,7 @@ class HttpPlane(asyncio.Protocol):
         conn = self.conn
         host, port = conn.host, conn.port
         context = {"method": request.head.method, "path": request.head.target}
-        self._refusal(refused, host, port, stage, context)
+        self.refusal(refused, host, port, stage, context)
         conn.reason = refused.reason
         if answered:
             self.transport.abort()
@@ -480,7 +379,7 @@ class HttpPlane(asyncio.Protocol):
         refused = Refused(403, Reason.INTERNAL_ERROR, f"internal error: {type(exc).__name__}")
         conn = self.conn
         try:
-            self._refusal(refused, conn.host, conn.port, "engine", {})
+            self.refusal(refused, conn.host, conn.port, "engine", {})
             if not self.conn.answered:
                 self.write(refusal_response(refused, conn.host or "proxy", conn.port))
             conn.reason = Reason.INTERNAL_ERROR

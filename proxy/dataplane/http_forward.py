@@ -1,0 +1,148 @@
+"""Forwarding one plain-HTTP request, once the client's parser has it whole in the head: decided
+(proxy/dataplane/http_requests.py, then the name stage, DNS once, the address stage and the loop
+guard), then sent over an idle pooled connection to one of its checked addresses or a fresh dial
+of them, with the request's one allow line; its exchange (proxy/dataplane/http_upstream.py)
+does the rest. A pooled connection the server had closed is retried once on a fresh one, for a
+request without a body of a method that may be sent twice.
+
+    keep = await serve(plane, request)    # False: the client connection ends after it
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Final, Protocol
+
+from policy.reasons import Reason
+from proxy.dataplane import tunnel
+from proxy.dataplane.http_messages import forwarded_fields, request_head
+from proxy.dataplane.http_requests import Rejected, Request, destination
+from proxy.dataplane.http_upstream import FAILED, REUSABLE, STALE, SWITCHED, Client, Exchange
+from proxy.net.dialing import UpstreamError, connect_upstream, dial_checked
+from proxy.reasons import Refused, authority
+
+if TYPE_CHECKING:
+    from proxy.dataplane.connection import Door
+
+# Methods a stale pooled connection may be retried for (nothing of them was sent or read).
+_RETRIABLE: Final = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
+
+
+class Plane(Client, Protocol):
+    """What forwarding needs of the client's side (proxy/dataplane/http.py's HttpPlane)."""
+
+    door: Door
+    transparent: bool
+    exchange: Exchange | None
+
+    def refusal(
+        self,
+        refused: Refused,
+        host: str | None,
+        port: int | None,
+        stage: str,
+        context: dict[str, Any],
+    ) -> Refused: ...
+
+    def answer_refusal(
+        self, request: Request, refused: Refused, host: str | None, port: int | None
+    ) -> bool: ...
+
+
+async def serve(plane: Plane, request: Request) -> bool:
+    """One request, decided and forwarded (or refused); False when the connection ends."""
+    head = request.head
+    conn = plane.conn
+    context: dict[str, Any] = {"method": head.method, "path": head.target}
+    host: str | None = None
+    port = conn.port if plane.transparent else None
+    try:
+        if request.refused is not None:
+            raise plane.refusal(request.refused, None, port, "request", context)
+        host, port, path = destination(request, port, context)
+        url = f"http://{authority(host, port)}{path}"
+        vetted = await tunnel.vet(conn, url, port, conn.door.vetter.decide(url), **context)
+        name = vetted.decision.host
+        request.upstream_head = request_head(
+            head.method,
+            path,
+            forwarded_fields(head.fields),
+            chunked=request.chunked,
+            upgrade=request.websocket,
+        )
+        for attempt in range(2):
+            exchange = await _connect(plane, request, name, port, context, fresh=attempt > 0)
+            if attempt == 0:
+                conn.door.vetter.allowed(
+                    conn.peer, conn.protocol, stage="address", vetted=vetted, port=port,
+                    **context,
+                )  # fmt: skip
+            outcome = await _exchange(plane, exchange)
+            if outcome != STALE:
+                break
+    except Rejected as rejected:
+        refused = plane.refusal(
+            rejected.refused, rejected.host, rejected.port, rejected.stage, context
+        )
+        return plane.answer_refusal(request, refused, rejected.host, rejected.port)
+    except Refused as refused:
+        return plane.answer_refusal(request, refused, host, port)
+    if outcome == SWITCHED:
+        return True  # the relay has both transports now
+    if outcome == FAILED:
+        return False
+    if outcome == REUSABLE:
+        address = exchange.transport.get_extra_info("peername")[0]
+        plane.door.http_pool().put(name, port, address, exchange.transport)
+    else:
+        exchange.transport.close()
+    # A body still arriving goes to the finished exchange, which drops it; the next request
+    # is parsed after it.
+    return not (request.websocket or plane.closing)
+
+
+async def _connect(
+    plane: Plane, request: Request, name: str, port: int, context: dict[str, Any], *, fresh: bool
+) -> Exchange:
+    """An idle pooled connection to a checked address (not for a body that cannot be sent
+    twice), else a dial of the checked addresses; Refused (502/504) after its line."""
+    conn, door = plane.conn, plane.conn.door
+    pinned = conn.pinned
+    if not fresh and not request.has_body and request.head.method in _RETRIABLE:
+        taken = door.http_pool().take(name, port, pinned)
+        if taken is not None:
+            transport, address = taken
+            conn.upstream = authority(address, port)
+            return Exchange(plane, request, transport, reused=True)
+    try:
+        transport, upstream = await dial_checked(
+            name, pinned, port, connect_upstream,
+            timeout=door.config.limits.connect_timeout, metrics=door.metrics,
+        )  # fmt: skip
+    except UpstreamError as exc:
+        status = 504 if exc.reason == Reason.UPSTREAM_TIMEOUT else 502
+        refused = Refused(status, exc.reason, exc.message, error=True)
+        raise plane.refusal(refused, name, port, "upstream", context) from None
+    address = transport.get_extra_info("peername")
+    conn.upstream = authority(address[0], address[1])
+    exchange = Exchange(plane, request, transport, reused=False)
+    early = upstream.take_early()
+    if upstream.lost or upstream.eof or early:
+        transport.abort()
+        message = "the upstream spoke or closed before the request"
+        raise plane.refusal(
+            Refused(502, Reason.UPSTREAM_ERROR, message, error=True),
+            name,
+            port,
+            "upstream",
+            context,
+        )
+    return exchange
+
+
+async def _exchange(plane: Plane, exchange: Exchange) -> str:
+    plane.exchange = exchange
+    try:
+        exchange.send()
+        return await exchange.done
+    finally:
+        plane.exchange = None
