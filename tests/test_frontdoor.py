@@ -825,6 +825,30 @@ async def test_overload_answers_503_to_the_excess(dns: DNSServer) -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_burst_over_the_limit_refuses_only_the_excess(dns: DNSServer) -> None:
+    # 30 held, then 15 at once against a limit of 40: exactly 5 are answered 503, 10 admitted.
+    async with opened(dns, max_connections=40, header_timeout=30.0) as door:
+        held = [await asyncio.open_connection("127.0.0.1", door.port) for _ in range(30)]
+        await door.wait_live(30)
+        burst = await asyncio.gather(
+            *(asyncio.open_connection("127.0.0.1", door.port) for _ in range(15))
+        )
+
+        async def answered(reader: asyncio.StreamReader) -> bool:
+            try:
+                return (await asyncio.wait_for(reader.read(), 1.0)).startswith(b"HTTP/1.1 503")
+            except TimeoutError:
+                return False  # admitted: nothing is said until it asks something
+
+        refused = await asyncio.gather(*(answered(reader) for reader, _ in burst))
+        assert sum(refused) == 5
+        await door.wait_live(40)
+        for _, writer in (*held, *burst):
+            writer.close()
+    assert door.metric("egress_decisions_total", reason="overload", plane="l4") == 5
+
+
+@pytest.mark.asyncio
 async def test_drain_stops_accepting_and_closes_what_remains_after_the_timeout(
     dns: DNSServer,
 ) -> None:

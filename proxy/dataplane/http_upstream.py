@@ -93,6 +93,7 @@ class Exchange(asyncio.Protocol):
         self.head_only = False  # a response to HEAD: its head is all of it
         self.sent_all = False  # the request's body (if any) went out whole
         self.error: Refused | None = None
+        self.out: list[bytes] = []  # for the client, written once the read is parsed
 
     # -- the request, out --------------------------------------------------------------------
 
@@ -135,12 +136,25 @@ class Exchange(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade as upgrade:
+            self._flush()
             self._switched(data[upgrade.args[0] :])
         except httptools.HttpParserError as exc:
             refused = self.error or Refused(
                 502, Reason.UPSTREAM_ERROR, f"invalid response from the upstream: {exc}", error=True
             )
             self._fail(refused)
+        self._flush()
+
+    def _to_client(self, data: bytes) -> None:
+        # What one read of the upstream yields (a head and the body after it, say) goes to the
+        # client in one write: a system call per read, not per piece.
+        self.out.append(data)
+
+    def _flush(self) -> None:
+        if self.out:
+            data = self.out[0] if len(self.out) == 1 else b"".join(self.out)
+            self.out.clear()
+            self.plane.write(data)
 
     def eof_received(self) -> bool:
         self._ended(None)
@@ -203,7 +217,7 @@ class Exchange(asyncio.Protocol):
         status = self.status = self.parser.get_status_code()
         if status < 200:
             if status == 100 and self.request.head.version == "1.1":
-                self.plane.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                self._to_client(b"HTTP/1.1 100 Continue\r\n\r\n")
             return  # interim (101 is taken when the parser stops for it)
         fields = forwarded_fields(self.fields)
         extra: list[bytes] = []
@@ -237,20 +251,20 @@ class Exchange(asyncio.Protocol):
         elif self.request.head.version == "1.0":
             extra.append(b"Connection: keep-alive")
         reason = self.reason if self.reason else b"-"
-        self.plane.write(response_head(status, reason, fields, extra))
+        self._to_client(response_head(status, reason, fields, extra))
         self.started = True
         if self.head_only:
             self._finish(SPENT)  # llhttp would wait for the body its Content-Length announces
 
     def on_body(self, data: bytes) -> None:
         if self.status >= 200 and not self.done.done():
-            self.plane.write(chunk(data) if self.to_client_chunked else data)
+            self._to_client(chunk(data) if self.to_client_chunked else data)
 
     def on_message_complete(self) -> None:
         if self.status < 200 or self.done.done():
             return
         if self.to_client_chunked:
-            self.plane.write(LAST_CHUNK)
+            self._to_client(LAST_CHUNK)
         keep = self.parser.should_keep_alive() and not self.until_close
         self._finish(REUSABLE if keep and self.sent_all else SPENT)
 
@@ -288,6 +302,10 @@ class Exchange(asyncio.Protocol):
         whole)."""
         if self.done.done():
             return
+        if self.started:
+            self.out.clear()  # the client is cut off: nothing more of this response goes out
+        else:
+            self._flush()  # an interim 100 Continue, which came before the failure
         self.done.set_result(FAILED)
         self.transport.abort()
         self.plane.failed_exchange(self.request, refused, stage=stage, answered=self.started)

@@ -12,6 +12,7 @@ them, with its HTTP2-Settings) would take the connection out of per-request deci
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from policy.errors import PolicyError
@@ -48,6 +49,7 @@ def check_upgrade(values: Sequence[str], http2_settings: bool) -> Refused | None
     return None
 
 
+@functools.lru_cache(maxsize=4096)  # bounded; a session's requests repeat a few Host values
 def parse_host_field(value: str, default_port: int) -> tuple[str, int] | None:
     """A Host field (`host[:port]`, `[v6][:port]`) as (the policy's spelling of the host, port),
     or None when it is no valid authority (brackets hold an IPv6 literal and nothing else)."""

@@ -18,8 +18,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Final
 
-PER_KEY: Final = 8
-TOTAL: Final = 64
+# As many as a busy session keeps in flight to one place: a connection the pool cannot keep is
+# closed and a later request dials again (with 8 and 16 clients, half of all requests did).
+PER_KEY: Final = 32
+TOTAL: Final = 256
 # Servers close idle connections after a few seconds (Apache 5 s, nginx 75 s); a connection kept
 # longer than the shortest common one is more likely dead than useful.
 IDLE: Final = 4.0
