@@ -420,8 +420,10 @@ def spawn(
     except RuntimeError as exc:
         served.stop()
         raise RuntimeError(f"{name} on port {port}: {exc}:\n{served.stderr_tail()}") from None
-    served.ready_s = times["ready_s"]
     served.first_connect_s = times.get("first_connect_s")
+    # A CONNECT answered proves the port accepted by then; the two probes poll on threads of
+    # their own, so the accept probe may notice a little later than the CONNECT one did.
+    served.ready_s = min(times["ready_s"], served.first_connect_s or times["ready_s"])
     return served
 
 

@@ -90,7 +90,8 @@ def quote(value: Any) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Finding:
-    """One problem at one place: `path` is like `network.egress[2]`, `file` the document."""
+    """One problem at one place: `path` is like `network.egress[2]`, `file` the document,
+    `line` and `column` (1-based) where the path is in it, when known."""
 
     path: str
     value: Any
@@ -98,6 +99,8 @@ class Finding:
     message: str
     severity: Severity = "error"
     file: str | None = None
+    line: int | None = None
+    column: int | None = None
 
     @property
     def is_error(self) -> bool:
@@ -111,4 +114,6 @@ class Finding:
             "message": self.message,
             "severity": self.severity,
             "file": self.file,
+            "line": self.line,
+            "column": self.column,
         }

@@ -88,6 +88,7 @@ class Reason(StrEnum):
     SNI_MISSING = "sni_missing"  # the ClientHello has no SNI
     SNI_INVALID = "sni_invalid"  # the SNI is not a host name
     SNI_MISMATCH = "sni_mismatch"  # the SNI is a host name, but not the tunnel's host
+    ECH_REFUSED = "ech_refused"  # the ClientHello carries ECH or ESNI and `tls.ech` is refuse
     NOT_TLS = "not_tls"  # a tunnel's first bytes are not a TLS handshake record
     INVALID_CLIENT_HELLO = "invalid_client_hello"  # TLS, but the ClientHello is malformed
     INVALID_REQUEST = "invalid_request"  # an HTTP request (or CONNECT head) that cannot be parsed

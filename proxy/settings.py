@@ -16,6 +16,14 @@ PREFIXES = "prefixes"
 ALL = "all"
 INSPECTION_MODES = (PREFIXES, ALL)
 
+# `tls.ech`: what the SNI gate does with a ClientHello carrying ECH (0xfe0d) or draft ESNI
+# (0xffce), whose real name is encrypted. ECH_ALLOW (the default): passed on, marked in its audit
+# lines and counted, because GREASE ECH looks like real ECH and common browsers send it;
+# ECH_REFUSE: closed at the gate (`ech_refused`) before any byte goes upstream.
+ECH_ALLOW = "allow"
+ECH_REFUSE = "refuse"
+ECH_MODES = (ECH_ALLOW, ECH_REFUSE)
+
 
 @dataclass(frozen=True, slots=True)
 class Nameserver:
@@ -43,3 +51,4 @@ class Config:
     limits: Limits = field(default_factory=Limits)
     source: str | None = None
     inspection_mode: str = PREFIXES  # one of INSPECTION_MODES
+    tls_ech: str = ECH_ALLOW  # one of ECH_MODES; a reload changes it for later tunnels

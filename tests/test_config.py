@@ -55,6 +55,7 @@ def test_the_example_config_loads_every_key() -> None:
     assert config.ca_dir == "~/.local/share/egress-proxy/ca"
     assert config.limits == Limits(10.0, 600.0, 10.0, 1024)
     assert op.internal_suffixes == ("corp.example",)
+    assert config.tls_ech == "allow"
     assert config.source == "config.yaml"
 
 

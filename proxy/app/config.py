@@ -1,6 +1,6 @@
 """The operator config (YAML; JSON or TOML by file suffix): DNS, address rules, platform
-destinations, ports, inspection, limits. Scripts outside this repo write these keys: their names
-are a contract.
+destinations, ports, inspection, TLS, limits. Scripts outside this repo write these keys: their
+names are a contract.
 
 Every problem is collected and reported together; a config that is half understood is never
 applied. Each section is read by one function below, with the readers of
@@ -22,6 +22,8 @@ from proxy.errors import ProxyError
 from proxy.settings import (
     ALL,
     DEFAULT_CA_DIR,
+    ECH_ALLOW,
+    ECH_MODES,
     INSPECTION_MODES,
     PREFIXES,
     Config,
@@ -38,6 +40,7 @@ SECTIONS: dict[str, tuple[str, ...] | None] = {
     "platform_destinations": None,
     "ports": None,
     "inspection": ("enabled", "ca_dir", "upstream_ca", "mode"),
+    "tls": ("ech",),
     "limits": ("connect_timeout", "idle_timeout", "header_timeout", "max_connections"),
     "internal_suffixes": None,
 }
@@ -62,7 +65,7 @@ def load_config(data: bytes | str, *, source: str = "<config>") -> Config:
             column=exc.column,
             path=exc.path,
         ) from None
-    reader = ConfigReader(source)
+    reader = ConfigReader(source, text=data)
     top = reader.section(document, "", tuple(SECTIONS), where="the config")
 
     def section(key: str) -> Section:
@@ -73,6 +76,7 @@ def load_config(data: bytes | str, *, source: str = "<config>") -> Config:
     platform = _platform_destinations(top)
     ports = _ports(top)
     enabled, ca_dir, upstream_ca, mode = _inspection(section("inspection"))
+    ech = _tls(section("tls"))
     limits = _limits(section("limits"))
     suffixes = _internal_suffixes(top)
     reader.finish()
@@ -92,6 +96,7 @@ def load_config(data: bytes | str, *, source: str = "<config>") -> Config:
         limits,
         source,
         inspection_mode=mode,
+        tls_ech=ech,
     )
 
 
@@ -206,6 +211,12 @@ def _inspection(inspection: Section) -> tuple[bool, str, str | None, str]:
         inspection.optional_text("upstream_ca"),
         mode,
     )
+
+
+def _tls(tls: Section) -> str:
+    """`tls.ech`: `allow` (the default) or `refuse` a ClientHello that carries ECH or draft ESNI
+    (proxy.settings.ECH_MODES)."""
+    return tls.choice("ech", ECH_MODES, ECH_ALLOW)
 
 
 def _limits(limits: Section) -> Limits:

@@ -7,13 +7,17 @@ problem at once, and a section of the config is one small function (proxy/app/co
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import yaml
+
 from policy import AddressRules, PolicyError
 from policy.addresses import IPNetwork
+from policy.documents import decode_text, syntax_for
 from policy.findings import Finding, describe_type, key_text, quote, unknown_key_message
 from policy.numbers import check_prefix_length, whole_number
 from proxy.errors import ProxyError
@@ -24,6 +28,10 @@ _DURATION = re.compile(r"(?:([0-9]+)h)?(?:([0-9]+)m)?(?:([0-9]+)s)?")
 _DURATION_HINT = "write it like '2s', '10m' or '1h30m'"
 # More digits than this in one unit is beyond MAX_DURATION whatever the unit: refused unconverted.
 _MAX_DURATION_DIGITS = 9
+# Nodes looked at to place the problems of a refused config: far more than any config has, and
+# a bound on the walk whatever the document (aliases are followed once).
+_MAX_LOCATED_NODES = 100_000
+_Loader: type = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def parse_duration(text: Any) -> float:
@@ -73,10 +81,12 @@ def _cidr(value: Any) -> IPNetwork:
 
 @dataclass
 class ConfigReader:
-    """The problems found in one config file, collected."""
+    """The problems found in one config file, collected. `text`: the file's contents, to place
+    each problem at its line and column when the config is refused."""
 
     source: str
     problems: list[Finding] = field(default_factory=list)
+    text: bytes | str | None = None
 
     def problem(self, path: str, value: Any, reason: str, message: str) -> None:
         self.problems.append(Finding(path, value, reason, message, "error", self.source))
@@ -126,14 +136,63 @@ class ConfigReader:
         """Raises ProxyError('invalid_config') listing every problem, if there is one."""
         if not self.problems:
             return
-        listed = "; ".join(f"{f.path}: {f.message}" for f in self.problems[:5])
-        more = f" (and {len(self.problems) - 5} more)" if len(self.problems) > 5 else ""
+        problems = self._located(self.problems)
+        listed = "; ".join(f"{f.path}: {f.message}" for f in problems[:5])
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        first = problems[0]
         raise ProxyError(
             "invalid_config",
             f"invalid config: {listed}{more}",
             source=self.source,
-            details=tuple(self.problems),
+            line=first.line,
+            column=first.column,
+            details=tuple(problems),
         )
+
+    def _located(self, problems: list[Finding]) -> list[Finding]:
+        """`problems`, each with the line and column of its path in `text` where it is found
+        there (YAML, and JSON, which YAML reads; a TOML config keeps its paths only): an
+        operator fixes a file by line, and a path alone may be hard to find in a long one."""
+        if self.text is None or syntax_for(self.source) == "toml":
+            return problems
+        try:
+            root = yaml.compose(decode_text(self.text, self.source), Loader=_Loader)
+        except (yaml.YAMLError, PolicyError, ValueError, RecursionError):
+            return problems  # the text parsed once already; a surprise here costs the places
+        marks = _marks(root, {f.path for f in problems})
+        return [
+            dataclasses.replace(f, line=mark[0], column=mark[1])
+            if (mark := marks.get(f.path)) is not None
+            else f
+            for f in problems
+        ]
+
+
+def _marks(root: yaml.Node | None, wanted: set[str]) -> dict[str, tuple[int, int]]:
+    """(line, column), 1-based, of each path of `wanted` in the composed document: a mapping
+    entry at its key (the path names the key), a list item at the item. Paths are spelled as
+    `Section.path` spells them (key_text, `[index]`)."""
+    found: dict[str, tuple[int, int]] = {}
+    stack: list[tuple[yaml.Node, str]] = [] if root is None else [(root, "")]
+    seen: set[int] = set()
+    while stack and len(found) < len(wanted) and len(seen) < _MAX_LOCATED_NODES:
+        node, path = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        children: list[tuple[yaml.Node, yaml.Node, str]] = []
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode):
+                    name = key_text(key.value)
+                    children.append((key, value, f"{path}.{name}" if path else name))
+        elif isinstance(node, yaml.SequenceNode):
+            children = [(item, item, f"{path}[{i}]") for i, item in enumerate(node.value)]
+        for at, value, child in children:
+            if child in wanted and child not in found:
+                found[child] = (at.start_mark.line + 1, at.start_mark.column + 1)
+            stack.append((value, child))
+    return found
 
 
 @dataclass

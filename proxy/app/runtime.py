@@ -25,7 +25,8 @@ Signals (handled on the event loop):
   stderr and counts a failed reload. The new policy applies to every later decision, and live
   client connections (CONNECT tunnels, keep-alive plain HTTP) with a destination it denies are
   closed (`FrontDoor.set_policy`, `Engine.set_policy`; their close lines say
-  `policy_reload`); the DNS listeners answer with the new policy and resolver. `limits` apply
+  `policy_reload`); the DNS listeners answer with the new policy and resolver; `tls.ech`
+  applies to the tunnels whose ClientHello is read after the reload. `limits` apply
   from start-up only; a changed DNS configuration takes effect with a new resolver (refused,
   keeping the old one, when a nameserver is one of our own listeners). Turning inspection on,
   changing `inspection.mode`, its CA directory or its upstream bundle needs a restart (the
@@ -327,6 +328,7 @@ class Runtime:
                     self.dns.set_resolver(resolver)
             closed: list[str] = []
             if self.front is not None:
+                self.front.reconfigure(new)
                 closed += self.front.set_policy(compiled.policy)
             if self.engine is not None:
                 closed += self.engine.set_policy(compiled.policy)

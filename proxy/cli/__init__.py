@@ -74,7 +74,12 @@ def _report(exc: PolicyError, args: argparse.Namespace, out: TextIO, err: TextIO
         count = len(exc.details)
         err.write(printable(f"egress-proxy: {where}{headline}, {count} problem(s):") + "\n")
         for detail in exc.details[:MAX_TABLE_ROWS]:
-            err.write(printable(f"  {detail.path}: {detail.message}") + "\n")
+            # The path first (what scripts and people grep for), then file:line:column where
+            # the place is known, as editors read it.
+            at = ""
+            if detail.line is not None:
+                at = f"at {detail.file or exc.source}:{detail.line}:{detail.column}: "
+            err.write(printable(f"  {detail.path}: {at}{detail.message}") + "\n")
         more(exc.details, "problems", err)
     else:
         err.write(printable(f"egress-proxy: {exc}") + "\n")

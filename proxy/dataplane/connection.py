@@ -76,6 +76,7 @@ class Connection(asyncio.Protocol):
         self.host: str | None = None
         self.port: int | None = None
         self.sni: str | None = None
+        self.ech = False  # its ClientHello carried ECH or ESNI (the SNI gate says so)
         self.pinned: tuple[str, ...] = ()
         self.upstream: str | None = None  # the pinned address connected to
         self.relay: Relay | None = None
@@ -318,6 +319,7 @@ class Connection(asyncio.Protocol):
                     client=self.peer.client,
                     connection=self.peer.connection,
                     sni=self.sni,
+                    ech=self.ech,
                     upstream=self.upstream,
                     bytes_up=counter.up,
                     bytes_down=counter.down,
@@ -424,6 +426,7 @@ class Door:
             pinned=connection.pinned,
             peer=connection.peer,
             protocol=connection.protocol,
+            ech=connection.ech,
         )
         connection.cancel_timer()
         hello = bytes(connection.buffer)

@@ -76,13 +76,19 @@ class Explicit(Connection):
         if outcome.refused is not None:
             self.door.vetter.refusal(
                 outcome.refused, self.peer, host, port, self.protocol,
-                stage="sni", sni=self.sni, vetted=self.vetted,
+                stage="sni", sni=self.sni, ech=outcome.ech, vetted=self.vetted,
             )  # fmt: skip
             self.reason = outcome.refused.reason
             self.close()
             return False
         self.door.vetter.allowed(
-            self.peer, self.protocol, stage="sni", vetted=self.vetted, port=port, sni=self.sni
+            self.peer,
+            self.protocol,
+            stage="sni",
+            ech=outcome.ech,
+            vetted=self.vetted,
+            port=port,
+            sni=self.sni,
         )
         return True
 

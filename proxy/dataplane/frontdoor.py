@@ -3,6 +3,7 @@
     door = FrontDoor(vetter, config, metrics, audit, engine=lazy_engine)
     bound = await door.start([Listener("http", "127.0.0.1", 3128)])
     door.set_policy(policy)       # reload: live connections the new policy denies are closed
+    door.reconfigure(config)      # reload: the operator settings later tunnels use (tls.ech)
     await door.drain(5.0)
 
 Every connection is accepted here, as an `asyncio.Protocol` of its listener's kind
@@ -17,6 +18,7 @@ when the first such connection arrives, unless the runtime loaded it at start.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Sequence
@@ -64,6 +66,12 @@ class FrontDoor:
     @property
     def live(self) -> int:
         return self.door.live
+
+    def reconfigure(self, config: Config) -> None:
+        """A reloaded operator config: what it may change while running applies to later
+        tunnels (`tls.ech`, read by each SNI gate as it runs); the rest of the door's config
+        (limits, inspection) stays as it was at start (see proxy/app/runtime.py)."""
+        self.door.config = dataclasses.replace(self.door.config, tls_ech=config.tls_ech)
 
     # -- life cycle --------------------------------------------------------------------------
 

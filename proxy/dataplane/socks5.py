@@ -343,13 +343,19 @@ class Socks5(Connection):
         if outcome.refused is not None:
             self.door.vetter.refusal(
                 outcome.refused, self.peer, name, port, self.protocol,
-                stage="sni", sni=self.sni, vetted=vetted,
+                stage="sni", sni=self.sni, ech=outcome.ech, vetted=vetted,
             )  # fmt: skip
             self.reason = outcome.refused.reason
             self.close()
             return False
         self.door.vetter.allowed(
-            self.peer, self.protocol, stage="sni", vetted=vetted, port=port, sni=self.sni
+            self.peer,
+            self.protocol,
+            stage="sni",
+            ech=outcome.ech,
+            vetted=vetted,
+            port=port,
+            sni=self.sni,
         )
         return True
 

@@ -55,12 +55,19 @@ class Transparent(Connection):
             self.cancel_timer()
             self.plain_http()
             return
-        outcome = read_hello(data)  # the SNI gate of every plane; the SNI names the host here
+        # The SNI gate of every plane; the SNI names the host here. `tls.ech` as it is now: a
+        # reload applies to later connections.
+        outcome = read_hello(data, ech=self.door.config.tls_ech)
         if outcome is None:
             return  # split across reads: the header timer still runs
         self.cancel_timer()
+        self.ech = outcome.ech
         if outcome.refused is not None:
-            self.refuse(outcome.refused, None, self.port, stage="sni", sni=outcome.sni)
+            # `host`: the SNI's, when the hello named one (an ECH refusal); else None.
+            self.refuse(
+                outcome.refused, outcome.host, self.port, stage="sni", sni=outcome.sni,
+                ech=self.ech,
+            )  # fmt: skip
             return
         self.sni = outcome.sni
         host = outcome.host
@@ -81,22 +88,26 @@ class Transparent(Connection):
         """The hello is read and gated (its SNI named the host): vetted here, then the
         engine's, which dials the checked addresses when the first request inside needs them."""
         try:
-            name = await tunnel.vet(self, target, port, decision, inspecting=True, sni=self.sni)
+            vetted = await tunnel.vet(
+                self, target, port, decision, inspecting=True, sni=self.sni, ech=self.ech
+            )
         except Refused as refused:
             self.refuse(refused, None, port, stage="", record=False)
             return
         self.door.vetter.allowed(
-            self.peer, self.protocol, stage="sni", host=name, port=port, sni=self.sni
-        )
+            self.peer, self.protocol, stage="sni", vetted=vetted, port=port, sni=self.sni,
+            ech=self.ech,
+        )  # fmt: skip
         await self.door.intercept(self)
 
     async def _tunnel(self, target: str, port: int, decision: Decision) -> None:
         try:
-            dialled = await tunnel.dial(self, target, port, decision, sni=self.sni)
+            dialled = await tunnel.dial(self, target, port, decision, sni=self.sni, ech=self.ech)
         except Refused as refused:
             self.refuse(refused, None, port, stage="", record=False)
             return
         self.door.vetter.allowed(
-            self.peer, self.protocol, stage="sni", vetted=dialled.vetted, port=port, sni=self.sni
-        )
+            self.peer, self.protocol, stage="sni", vetted=dialled.vetted, port=port, sni=self.sni,
+            ech=self.ech,
+        )  # fmt: skip
         tunnel.relay(self, dialled)

@@ -110,11 +110,23 @@ async def dial(
     return Dialled(name, transport, upstream, vetted)
 
 
-async def client_hello(connection: Connection, host: str, *, what: str = "CONNECT host") -> Any:
+async def client_hello(
+    connection: Connection, host: str, *, what: str = "CONNECT host"
+) -> GateOutcome | None:
     """The SNI gate on the ClientHello (bounded by the parser, timed by the header timeout):
-    its GateOutcome, or None when the client ended first (its close line says why)."""
+    its GateOutcome, or None when the client ended first (its close line says why). The
+    operator's `tls.ech` is read as the gate runs, so a reload applies to later tunnels.
+    `connection.ech` learns whether the hello carries ECH or ESNI (for its close line)."""
+    outcome = await _client_hello(connection, host, what)
+    if outcome is not None and outcome.ech:
+        connection.ech = True
+    return outcome
+
+
+async def _client_hello(connection: Connection, host: str, what: str) -> GateOutcome | None:
     buffer = connection.buffer
-    outcome = check_hello(buffer, host, what=what) if buffer else None
+    ech = connection.door.config.tls_ech
+    outcome = check_hello(buffer, host, what=what, ech=ech) if buffer else None
     if outcome is not None:
         return outcome
     try:
@@ -122,7 +134,7 @@ async def client_hello(connection: Connection, host: str, *, what: str = "CONNEC
             while outcome is None:
                 if not await connection.more():
                     return None
-                outcome = check_hello(connection.buffer, host, what=what)
+                outcome = check_hello(connection.buffer, host, what=what, ech=ech)
     except TimeoutError:
         refused = Refused(408, Reason.HEADER_TIMEOUT, "no ClientHello within the time limit")
         return GateOutcome(None, refused)

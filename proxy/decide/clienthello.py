@@ -74,6 +74,8 @@ from dataclasses import dataclass
 from policy.reasons import Reason
 
 __all__ = [
+    "ENCRYPTED_CLIENT_HELLO",
+    "ESNI",
     "MAX_CLIENT_HELLO",
     "MAX_RECORD_PAYLOAD",
     "TOO_LONG",
@@ -89,6 +91,14 @@ TOO_LONG = "too_long"
 # the bytes a caller buffers before the answer is no longer "wait for more".
 MAX_CLIENT_HELLO = 64 * 1024
 MAX_RECORD_PAYLOAD = 1 << 14
+
+# Extensions that carry the real server name encrypted, so that the SNI the gate reads may not be
+# the name served: ECH (draft-ietf-tls-esni-18 onwards, `encrypted_client_hello`) and the older
+# draft ESNI (`encrypted_server_name`, drafts 01-06). GREASE ECH (RFC 9849 §6.2) uses 0xfe0d too
+# and cannot be told apart from real ECH without the server's keys.
+ENCRYPTED_CLIENT_HELLO = 0xFE0D
+ESNI = 0xFFCE
+_HIDDEN_NAME = frozenset({ENCRYPTED_CLIENT_HELLO, ESNI})
 
 _HANDSHAKE = 0x16
 _CLIENT_HELLO = 0x01
@@ -137,6 +147,15 @@ class ClientHello:
     end: int
     """How many bytes of `data` the records carrying the ClientHello take; bytes after that
     (e.g. a ChangeCipherSpec or 0-RTT data record) were not looked at."""
+
+    @property
+    def hidden_name(self) -> int | None:
+        """ENCRYPTED_CLIENT_HELLO or ESNI when the hello carries one (the first in the client's
+        order), else None: the name served may then not be `sni`."""
+        for kind in self.extensions:
+            if kind in _HIDDEN_NAME:
+                return kind
+        return None
 
 
 def starts_like_tls(data: bytes) -> bool:

@@ -5,6 +5,10 @@ the planes never import it.
 
 Hosts, SNI, paths and methods come from clients. Each string is capped, and `truncated` names
 the fields that were cut to their cap.
+
+`"ech": true` follows `sni` on the decision and close lines of a tunnel whose ClientHello carried
+ECH or draft ESNI (the SNI may not be the name served); like `truncated`, it is left out
+otherwise, so the lines of the common case stay as they were.
 """
 
 from __future__ import annotations
@@ -181,7 +185,11 @@ def _head(kind: str, event: DecisionEvent | CloseEvent, f: _Fields, session: str
         f',"host":{"null" if (v := event.host) is None else E.get(v) or f.text(v, "host")}'
         f',"port":{"null" if (n := event.port) is None else str(n) if type(n) is int else f.integer(n, "port")}'  # noqa: E501
         f',"sni":{"null" if (v := event.sni) is None else E.get(v) or f.text(v, "sni")}'
+        f"{_ECH if event.ech else ''}"
     )
+
+
+_ECH = ',"ech":true'
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +206,7 @@ class DecisionEvent:
     client: Client = None
     connection: str | None = None  # correlates the decision lines of a connection and its close
     sni: str | None = None
+    ech: bool = False  # the ClientHello carried ECH or ESNI: the SNI may not be the name served
     method: str | None = None
     path: str | None = None
     rule: str | None = None  # as written in the manifest, e.g. "network.egress[2]"
@@ -262,6 +271,7 @@ class CloseEvent:
     client: Client = None
     connection: str | None = None
     sni: str | None = None
+    ech: bool = False  # the ClientHello carried ECH or ESNI
     upstream: str | None = None  # the pinned address actually connected to, if any
     bytes_up: int = 0  # client to upstream
     bytes_down: int = 0  # upstream to client
@@ -312,3 +322,5 @@ class MetricsSink(Protocol):
     ) -> None: ...
 
     def dns_query(self, qtype: str, rcode: str) -> None: ...
+
+    def tls_ech(self, decision: str, protocol: str) -> None: ...

@@ -33,6 +33,7 @@ class Destination:
     pinned: tuple[str, ...]  # the checked addresses of `host`, in answer order
     peer: Peer  # the client and the front door's connection id
     protocol: str  # how it arrived: "connect", "socks5" or "tls" (a transparent listener)
+    ech: bool = False  # its ClientHello carried ECH or ESNI: its close line says so
 
 
 class Interceptor(Protocol):

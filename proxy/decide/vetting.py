@@ -10,6 +10,7 @@ A refusal raises `Refused` after its metrics and audit line are written. No mitm
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import time
@@ -88,6 +89,8 @@ def _allow_message(vetted: Vetted) -> str:
     return f"{vetted.decision.message}; {vetted.checked.message}"
 
 
+# Bounded: its arguments come from clients (SNI, Host); a busy session names the same few.
+@functools.lru_cache(maxsize=4096)
 def canonical_host(host: str) -> str:
     """The policy's spelling of a host, for comparing an SNI or a Host header with what was
     decided (the same two steps Policy.decide takes). Garbage stays as is, marked so that it
@@ -184,6 +187,11 @@ class Vetter:
     # -- metrics and audit -------------------------------------------------------------------
 
     def event(self, event: DecisionEvent) -> None:
+        if event.ech and self.metrics is not None:
+            # Counted with the line: a tunnel has one decision line once its ClientHello was
+            # read (one decision, one line), so each tunnel whose hello carried ECH or ESNI
+            # counts once, under the decision it got.
+            self.metrics.tls_ech(event.decision, event.protocol or "unknown")
         if self.audit is not None:
             self.audit.decision(event)
 

@@ -323,6 +323,7 @@ class Engine:
                 client=destination.peer.client,
                 connection=destination.peer.connection,
                 sni=destination.sni,
+                ech=destination.ech,
                 upstream=connection.upstream,
                 bytes_up=counted.up,
                 bytes_down=counted.down,

@@ -52,6 +52,8 @@ DNS_RCODES = frozenset(
     {"NOERROR", "FORMERR", "SERVFAIL", "NXDOMAIN", "NOTIMP", "REFUSED", "dropped"}
 )
 RELOAD_RESULTS = ("success", "failure")
+# The protocols a TLS tunnel's ClientHello is read on: CONNECT, SOCKS5, a transparent listener.
+TUNNEL_PROTOCOLS = frozenset({"connect", "socks5", "tls"})
 
 # Latency of one DNS lookup or one upstream TCP connect. A cache hit answers in microseconds, a
 # loopback or in-cluster resolver in about a millisecond, an internet round trip in 10-300 ms, and
@@ -187,9 +189,23 @@ _DNS_QUERIES = _Spec(
     "None is ever forwarded.",
     ("qtype", "rcode"),
 )
+_TLS_ECH = _Spec(
+    "tls_ech",
+    "TLS tunnels whose ClientHello carried ECH (encrypted_client_hello) or draft ESNI, by the "
+    "tunnel's decision and protocol (tls.ech: refuse denies them as ech_refused).",
+    ("decision", "protocol"),
+)
 _AUDIT_ERRORS = _Spec("audit_write_errors", "Audit log lines that could not be written.")
 _LABEL_SETS = 1024
-_COUNTERS = (_DECISIONS, _CONNECTIONS, _BYTES, _RELOADS, _DNS_QUERIES, _AUDIT_ERRORS)
+_COUNTERS = (
+    _DECISIONS,
+    _CONNECTIONS,
+    _BYTES,
+    _RELOADS,
+    _DNS_QUERIES,
+    _TLS_ECH,
+    _AUDIT_ERRORS,
+)
 _HISTOGRAMS = (_DNS_LOOKUP, _UPSTREAM_CONNECT, _DURATION)
 
 
@@ -208,6 +224,7 @@ class Metrics:
         self._protocol = _LabelGuard()
         self._qtype = _LabelGuard(DNS_QTYPES)
         self._rcode = _LabelGuard(DNS_RCODES)
+        self._tunnel_protocol = _LabelGuard(TUNNEL_PROTOCOLS)
         self._counters: dict[_Spec, dict[tuple[str, ...], float]] = {s: {} for s in _COUNTERS}
         self._histograms: dict[_Spec, dict[tuple[str, ...], _Histogram]] = {
             s: {} for s in _HISTOGRAMS
@@ -226,6 +243,10 @@ class Metrics:
         for result in RELOAD_RESULTS:
             self._counters[_RELOADS][(result,)] = 0.0
         self._counters[_AUDIT_ERRORS][()] = 0.0
+        # Every series of this small closed set: an alert on ech_refused tunnels sees a 0.
+        for decision in sorted(DECISIONS):
+            for protocol in sorted(TUNNEL_PROTOCOLS):
+                self._counters[_TLS_ECH][(decision, protocol)] = 0.0
 
     @property
     def registry(self) -> CollectorRegistry:
@@ -306,6 +327,11 @@ class Metrics:
         """One message to the DNS responder: its type (`A`, ..., `none` when it had no single
         question) and the answer's code (`NOERROR`, `REFUSED`, ..., `dropped`)."""
         self._add(_DNS_QUERIES, (self._qtype(qtype), self._rcode(rcode)))
+
+    def tls_ech(self, decision: str, protocol: str) -> None:
+        """One tunnel whose ClientHello carried ECH or ESNI, with its decision ("allow" or
+        "deny") and protocol (`connect`, `socks5`, `tls`)."""
+        self._add(_TLS_ECH, (self._decision(decision), self._tunnel_protocol(protocol)))
 
     def audit_write_error(self) -> None:
         self._add(_AUDIT_ERRORS, ())
