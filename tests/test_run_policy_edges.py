@@ -8,6 +8,8 @@ of the running proxy the same way, on CONNECT and on plain HTTP.
 - Blocked URL prefixes hold on every scheme and port of their host, and every request spelling
   a server may read as the blocked path is refused, while the bytes forwarded are the ones
   decided on.
+- The proxy's own listeners (proxy, admin, DNS) are never a destination, on CONNECT and on plain
+  HTTP: refused (`proxy_loop`) before any dial.
 """
 
 from __future__ import annotations
@@ -236,3 +238,36 @@ def test_a_blocked_prefix_written_for_443_holds_inside_tls_on_another_port(
             assert denied.status == 403, (path, denied)
             assert denied.headers.get("x-egress-denied") == "blocked", (path, denied.headers)
     assert requests == ["GET /docs HTTP/1.1"]
+
+
+def test_the_proxy_never_talks_to_its_own_listeners(tmp_path: Path, dns: DNSServer) -> None:
+    # A name the operator's loopback allowance lets resolve to the proxy's own address: the
+    # proxy, admin (/metrics) and DNS listeners are refused as destinations on CONNECT and on
+    # plain HTTP alike, before any dial.
+    dns.set("self.test", a=["127.0.0.1"])
+    manifest = "network:\n  egress: [self.test]\n"
+    args = ("--dns-listen", f"{LOOPBACK}:0")
+    with RunningProxy(tmp_path, manifest, dns=dns, args=args) as proxy:
+        dns_port = int(proxy.stderr().split(f"dns://{LOOPBACK}:")[1].split()[0])
+        for port in (proxy.port, proxy.admin_port, dns_port):
+            where = b"self.test:%d" % port
+            tunnel = exchange(
+                proxy.port, b"CONNECT %s HTTP/1.1\r\nHost: %s\r\n\r\n" % (where, where)
+            )
+            status, headers = head_of(tunnel)
+            assert (status, headers.get("x-egress-denied")) == (403, "proxy_loop"), tunnel
+            plain = exchange(
+                proxy.port,
+                b"GET http://%s/metrics HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n"
+                % (where, where),
+            )
+            status, headers = head_of(plain)
+            assert (status, headers.get("x-egress-denied")) == (403, "proxy_loop"), plain
+            assert b"egress_" not in plain  # nothing of /metrics came back
+        lines = proxy.audit()
+        loops = [x for x in lines if x["event"] == "decision" and x["reason"] == "proxy_loop"]
+        assert len(loops) == 6 and {x["stage"] for x in loops} == {"address"}
+        # Each connection's close line says why it ended.
+        closes = [x["reason"] for x in lines if x["event"] == "close"]
+        assert closes.count("proxy_loop") == 6, closes
+        assert not [x for x in proxy.audit() if x.get("decision") == "allow"]

@@ -172,6 +172,9 @@ class Runtime:
             listeners = (*await self.front.start(self.listen), *dns_bound)
             # Every listener, the DNS ones included, is bound from here.
             self._own = (*listeners, Listener("admin", admin_host, admin_port))
+            # The admin and DNS listeners are never a destination either (a tunnel or a request
+            # to /metrics through the proxy itself); the DNS ones listen on TCP too.
+            self.front.claim(self._own)
             _refuse_own_nameservers(resolver, self._own)
             self.readiness.set("listeners_bound", True)
             # Set here because nothing in this process can verify the sandbox boundary (that the
