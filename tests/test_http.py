@@ -539,3 +539,35 @@ async def test_an_origin_form_target_on_the_explicit_listener_is_a_bad_request(
     got, _ = await ask(proxy, message("GET / HTTP/1.1", "Host: up.test"))
     assert got.status == 400
     assert proxy.dns.queries == []
+
+
+@pytest.mark.asyncio
+async def test_pipelined_requests_are_answered_in_order_until_the_one_that_closes(
+    proxy: Running, up: Origin
+) -> None:
+    # Three requests in one write; the second asks to close: two answers, then the close, and
+    # the third never reaches the upstream.
+    first, (reader, writer) = await ask(
+        proxy,
+        to(up, "/1") + to(up, "/2", "Connection: close") + to(up, "/3"),
+    )
+    second = await reply(reader)
+    assert (first.status, second.status) == (200, 200)
+    assert second.headers.get("connection") == "close"
+    assert await closed(reader)
+    writer.close()
+    assert [head.split(b" ")[1] for head in up.requests] == [b"/1", b"/2"]
+
+
+@pytest.mark.asyncio
+async def test_a_client_that_half_closes_after_its_requests_gets_every_answer(
+    proxy: Running, up: Origin
+) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    writer.write(to(up, "/a") + to(up, "/b"))
+    writer.write_eof()
+    answers = [await reply(reader), await reply(reader)]
+    assert [x.status for x in answers] == [200, 200]
+    assert await closed(reader)
+    writer.close()
+    assert len(up.requests) == 2

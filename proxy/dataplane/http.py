@@ -103,7 +103,7 @@ class HttpPlane(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.moved()
-        if self.lingering:
+        if self.lingering or self._closes_before_it():
             return
         if self.upgraded is not None:
             self.upgraded += data  # for the WebSocket, once switched
@@ -120,11 +120,19 @@ class HttpPlane(asyncio.Protocol):
                 return
             self.refuse_unparsed(self.head_error)
         except httptools.HttpParserError as exc:
+            if self._closes_before_it():
+                return  # bytes after a request that closes the connection are not read
             self.refuse_unparsed(
                 Refused(400, Reason.INVALID_REQUEST, f"invalid HTTP request: {exc}")
             )
         except Exception as exc:
             self.fail(exc)
+
+    def _closes_before_it(self) -> bool:
+        """Whether the last request read whole asked to close the connection after it: what
+        follows it is never a request (llhttp refuses it as such), and is dropped unread."""
+        last = self.requests[-1] if self.requests else self.parsing
+        return last is not None and last.ended and not last.head.keep_alive
 
     def eof_received(self) -> bool:
         self.conn.client_eof = True
@@ -133,8 +141,8 @@ class HttpPlane(asyncio.Protocol):
             self.close()
         elif parsing is not None and not parsing.ended:
             self.close()  # a body cut short: nothing of it may look whole upstream
-        else:
-            self.closing = True  # the answers still due are written, then the connection goes
+        # Otherwise every request it sent whole is answered, then the connection goes
+        # (`_serve_all`).
         return True
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -225,8 +233,9 @@ class HttpPlane(asyncio.Protocol):
         request.ended = True
         if request.sink is not None:
             request.sink.body_end()
-        if not request.head.keep_alive:
-            self.closing = True
+        # Whether the connection ends after it is the request's own (`closes_after`): a
+        # pipelined `Connection: close` must not end the connection before the requests ahead
+        # of it are answered.
 
     # -- serving the requests, one at a time ---------------------------------------------------
 
@@ -241,6 +250,8 @@ class HttpPlane(asyncio.Protocol):
                 return
             self.transport.resume_reading()
         self.serving = None
+        if self.conn.client_eof and not self.conn.gone:
+            self.close()  # the client has sent all it will, and has every answer
 
     def _served(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:

@@ -105,6 +105,9 @@ class Exchange(asyncio.Protocol):
         if request.pending:
             self.body(bytes(request.pending))
             request.pending.clear()
+            # The client may have been paused for holding too much: from here its body goes
+            # straight on, held back only by this transport's flow control.
+            self.plane.transport.resume_reading()
         request.sink = self
         if request.ended:
             self.body_end()
