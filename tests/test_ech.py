@@ -22,7 +22,6 @@ import signal
 import socket
 import struct
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -34,25 +33,20 @@ from test_clienthello import handshake as handshake_message
 from test_clienthello import hello_body as build_body
 from test_engine import Upstream, closed_by_peer, serving
 from test_frontdoor import Door, connect, opened, received, trusted_ca
+from test_socks import socks_door
 
-from policy import compile_policy, load_manifest
 from policy.reasons import Reason
 from proxy.app.config import load_config
 from proxy.cli import main
-from proxy.dataplane.frontdoor import FrontDoor
 from proxy.decide.clienthello import ENCRYPTED_CLIENT_HELLO, ESNI, parse_client_hello
 from proxy.decide.events import CloseEvent, DecisionEvent
 from proxy.decide.sni_gate import check_hello, read_hello
-from proxy.decide.vetting import Vetter
 from proxy.errors import ProxyError
-from proxy.net.resolver import Resolver
-from proxy.netaddr import Listener
-from proxy.ops.audit import AuditLog
-from proxy.ops.metrics import Metrics
 from proxy.settings import ECH_ALLOW, ECH_REFUSE
 
 MANIFEST = "network:\n  egress: [tls.test, up.test]\n"
 REFUSE = "tls:\n  ech: refuse\n"
+NO_INSPECTION = "inspection:\n  enabled: false\n"
 GREASE_TYPES = (0x0A0A, 0x3A3A)  # RFC 8701 GREASE extension types: never ECH
 
 
@@ -274,27 +268,6 @@ async def test_an_intercepted_tunnel_carries_the_marker_into_the_engine(
 # -- SOCKS5 ---------------------------------------------------------------------------------------
 
 
-@contextlib.asynccontextmanager
-async def socks_door(dns: DNSServer, extra: str) -> AsyncIterator[tuple[int, io.StringIO, Metrics]]:
-    """A front door with one SOCKS5 listener, in this process, with operator config `extra`."""
-    config = load_config(make_config(dns, extra=extra + "inspection:\n  enabled: false\n"))
-    policy = compile_policy(load_manifest(MANIFEST, source="agent.yaml"), None, config.operator)
-    metrics = Metrics()
-    stream = io.StringIO()
-    audit = AuditLog(stream=stream, session="test-session", metrics=metrics)
-    vetter = Vetter(policy, Resolver.from_config(config), metrics, audit, plane="l4")
-
-    async def no_engine() -> Any:
-        raise AssertionError("no tunnel here needs the engine")
-
-    door = FrontDoor(vetter, config, metrics, audit, engine=no_engine)
-    (bound,) = await door.start([Listener("socks5", "127.0.0.1", 0)])
-    try:
-        yield bound.port, stream, metrics
-    finally:
-        await door.drain(0)
-
-
 async def socks_tunnel(port: int, upstream: int, data: bytes) -> asyncio.StreamReader:
     """A SOCKS5 CONNECT to tls.test:`upstream` that succeeded, then `data` sent through it."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -327,8 +300,9 @@ async def test_socks5_refuse_closes_before_any_upstream_byte(dns: DNSServer, kin
     dns.set("tls.test", a=["127.0.0.1"])
     async with (
         serving(Upstream(raw=True)) as upstream,
-        socks_door(dns, REFUSE) as (port, stream, metrics),
+        socks_door(dns, REFUSE + NO_INSPECTION, MANIFEST) as served,
     ):
+        port, stream, metrics = served.port, served.audit, served.metrics
         reader = await socks_tunnel(port, upstream.port, hello("tls.test", HIDDEN[kind]()))
         assert await closed_by_peer(reader)
         (close,) = await socks_closes(stream, 1)
@@ -352,8 +326,9 @@ async def test_socks5_allow_passes_and_marks(dns: DNSServer) -> None:
     data = hello("tls.test", grease_ech())
     async with (
         serving(Upstream(raw=True)) as upstream,
-        socks_door(dns, "") as (port, stream, metrics),
+        socks_door(dns, NO_INSPECTION, MANIFEST) as served,
     ):
+        port, stream, metrics = served.port, served.audit, served.metrics
         await socks_tunnel(port, upstream.port, data)
         assert await received(upstream, len(data)) == data
     (allowed,) = [x for x in audit_lines(stream) if x["event"] == "decision"]

@@ -644,11 +644,22 @@ def test_over_max_connections_is_closed_without_a_byte(tmp_path: Path, names: DN
 # -- in process: a failure on the path ---------------------------------------------------------
 
 
+@dataclass
+class InProcess:
+    door: FrontDoor
+    port: int
+    audit: io.StringIO
+    metrics: Metrics
+
+
 @contextlib.asynccontextmanager
-async def socks_door(dns: DNSServer) -> AsyncIterator[tuple[FrontDoor, int, io.StringIO]]:
-    """A front door with one SOCKS5 listener, in this process (to break it on purpose)."""
-    config = load_config(make_config(dns))
-    policy = compile_policy(load_manifest(MANIFEST, source="agent.yaml"), None, config.operator)
+async def socks_door(
+    dns: DNSServer, extra: str = "", manifest: str = MANIFEST
+) -> AsyncIterator[InProcess]:
+    """A front door with one SOCKS5 listener, in this process (to break it on purpose, or to
+    read its lines and metrics directly); `extra`: more operator config (YAML)."""
+    config = load_config(make_config(dns, extra=extra))
+    policy = compile_policy(load_manifest(manifest, source="agent.yaml"), None, config.operator)
     audit_text = io.StringIO()
     metrics = Metrics()
     audit = AuditLog(stream=audit_text, session="test-session", metrics=metrics)
@@ -660,7 +671,7 @@ async def socks_door(dns: DNSServer) -> AsyncIterator[tuple[FrontDoor, int, io.S
     door = FrontDoor(vetter, config, metrics, audit, engine=no_engine)
     (bound,) = await door.start([Listener("socks5", "127.0.0.1", 0)])
     try:
-        yield door, bound.port, audit_text
+        yield InProcess(door, bound.port, audit_text, metrics)
     finally:
         await door.drain(0)
 
@@ -682,7 +693,8 @@ async def socks_exchange(port: int, sent: bytes) -> bytes:
 async def test_an_exception_before_the_reply_is_reply_1(dns: DNSServer) -> None:
     dns.set("up.test", a=["127.0.0.1"])
     with recording() as upstream:
-        async with socks_door(dns) as (door, port, audit):
+        async with socks_door(dns) as served:
+            door, port, audit = served.door, served.port, served.audit
             door.set_policy(types.SimpleNamespace(decide=boom, check_addresses=boom))  # type: ignore[arg-type]
             answer = await socks_exchange(port, b"\x05\x01\x00" + request("up.test", upstream.port))
             assert answer == b"\x05\x00" + b"\x05\x01\x00\x01\x00\x00\x00\x00\x00\x00"
@@ -694,7 +706,8 @@ async def test_an_exception_before_the_reply_is_reply_1(dns: DNSServer) -> None:
 async def test_an_exception_after_the_reply_is_a_close(dns: DNSServer) -> None:
     dns.set("tls.test", a=["127.0.0.1"])
     with recording() as upstream:
-        async with socks_door(dns) as (door, port, audit):
+        async with socks_door(dns) as served:
+            door, port, audit = served.door, served.port, served.audit
             door.vetter.allowed = boom  # type: ignore[method-assign]  # the SNI gate's allow line
             sent = b"\x05\x01\x00" + request("tls.test", upstream.port)
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
