@@ -244,6 +244,8 @@ class HttpPlane(asyncio.Protocol):
             request = self.requests[0]
             keep = await serve(self, request)
             self.requests.popleft()
+            if self.conn.relay is not None:
+                return  # a WebSocket: the relay has both transports, and ends the connection
             if not keep or self.closing:
                 if not self.lingering:
                     self.close()
