@@ -57,6 +57,7 @@ from proxy.net.resolver import Resolver
 from proxy.netaddr import Listener, format_listen, own_listener
 from proxy.ops.admin import AdminServer, Readiness
 from proxy.ops.audit import AuditLog
+from proxy.ops.denials import Denials
 from proxy.ops.metrics import Metrics
 from proxy.settings import Config
 from proxy.terminal import printable
@@ -93,6 +94,9 @@ class Runtime:
         self._err = err
         self._log_handler: logging.Handler | None = None
         self.metrics = Metrics()
+        # The recent denials `/denials` serves; the audit log feeds it, so every plane's
+        # denials reach it through the Vetters' audit sink without knowing it exists.
+        self.denials = Denials()
         self.readiness = Readiness()
         self.engine: Engine | None = None
         self.front: FrontDoor | None = None
@@ -144,7 +148,9 @@ class Runtime:
         self.warn_findings(self.compiled.policy)
         resolver = Resolver.from_config(config)
         try:
-            self.audit = AuditLog(self.audit_path, session=self.session_id, metrics=self.metrics)
+            self.audit = AuditLog(
+                self.audit_path, session=self.session_id, metrics=self.metrics, denials=self.denials
+            )
         except OSError as exc:
             raise ProxyError(
                 "unreadable",
@@ -157,7 +163,7 @@ class Runtime:
                 # Load it now, with its CA, so any problem stops start-up before anything
                 # listens.
                 ca = self._new_engine().prepare()
-            self.admin = AdminServer(self.readiness, self.metrics.render)
+            self.admin = AdminServer(self.readiness, self.metrics.render, denials=self.denials)
             admin_host, admin_port = await self.admin.start(*self.admin_address)
             dns_bound = await self._start_dns(resolver)
             if self.engine is not None:

@@ -34,8 +34,9 @@ MAX_ADDRESS = 64  # longest IPv6 text with a zone id fits easily
 Client = str | tuple[str, int] | tuple[str, int, int, int] | None
 
 
-def _timestamp(seconds: float) -> str:
-    """RFC 3339, UTC, to the nearest millisecond, with a `Z` (what most log tooling parses)."""
+def timestamp(seconds: float) -> str:
+    """RFC 3339, UTC, to the nearest millisecond, with a `Z` (what most log tooling parses).
+    Public because the denial feed (proxy/ops/denials.py) must show the audit line's time."""
     whole, milli = divmod(round(seconds * 1000), 1000)
     second = _LAST_SECOND
     if second[0] != whole:
@@ -176,7 +177,7 @@ def _head(kind: str, event: DecisionEvent | CloseEvent, f: _Fields, session: str
     E = _ENCODED
     client = _client(event.client)
     return (
-        f'{{"time":"{_timestamp(now)}","event":"{kind}"'
+        f'{{"time":"{timestamp(now)}","event":"{kind}"'
         f',"session":{"null" if (v := session) is None else E.get(v) or f.text(v, "session")}'
         f',"connection":{"null" if (v := event.connection) is None else E.get(v) or f.text(v, "connection")}'  # noqa: E501
         f',"client":{"null" if (v := client) is None else E.get(v) or f.text(v, "client")}'

@@ -1,8 +1,9 @@
-"""The admin listener: `/healthz`, `/readyz` and `/metrics` over a small HTTP/1.1 server of our own.
+"""The admin listener: `/healthz`, `/readyz`, `/metrics` and `/denials` over a small HTTP/1.1
+server of our own.
 
 Why not a web framework or mitmproxy: the admin port must answer on the proxy's own event loop
 (a blocked loop should fail `/healthz`), must not pull mitmproxy into a fast-path-only process,
-and serves three fixed GET endpoints, so a few hundred lines with strict limits are simpler to
+and serves four fixed GET endpoints, so a few hundred lines with strict limits are simpler to
 trust than a dependency.
 
 Behaviour, hardened for clients that are slow, large or malformed:
@@ -18,9 +19,15 @@ Behaviour, hardened for clients that are slow, large or malformed:
 - a request that announces a body (`Content-Length` other than 0, or any `Transfer-Encoding`)
   → 413: no admin endpoint takes a body, and never reading one means a client cannot make the
   server parse or buffer it;
-- GET and HEAD on the three paths; another path → 404; another method on them → 405 with
-  `Allow: GET, HEAD`. A query string is ignored; absolute-form targets (`http://h/healthz`) are
-  accepted as RFC 9112 asks. `Host` is not required: nothing here depends on it.
+- GET and HEAD on the four paths; another path → 404; another method on them → 405 with
+  `Allow: GET, HEAD`. A query string is ignored, except on `/denials`, whose only parameter is
+  `since` (below); absolute-form targets (`http://h/healthz`) are accepted as RFC 9112 asks.
+  `Host` is not required: nothing here depends on it.
+
+`/denials?since=SEQ` answers the recent denials as JSON (proxy/ops/denials.py). `since` is
+optional (default 0) and, if given, is given once, as 1 to 20 decimal digits worth at most
+2**63; anything else in the query → 400 with a JSON error, so a harness with a bug hears of it
+rather than silently reading from the start. Without a `Denials` ring the path is 404.
 
 """
 
@@ -29,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import json
 import logging
 import re
 import socket
@@ -38,6 +46,7 @@ from typing import Any
 
 from proxy.errors import ProxyError
 from proxy.netaddr import format_listen
+from proxy.ops.denials import MAX_SINCE, Denials
 from proxy.terminal import one_line
 
 __all__ = [
@@ -129,7 +138,10 @@ _VERSION = re.compile(rb"HTTP/([0-9])\.([0-9])")
 _FIELD_VALUE = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")
 _TARGET = re.compile(rb"[\x21-\x7e]+")
 _ABSOLUTE = re.compile(rb"https?://[^/?#]*", re.IGNORECASE)
-_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/denials"})
+# `since=` and at most 20 digits (2**63 has 19; a leading zero or so is still a decimal integer).
+_SINCE = re.compile(r"since=([0-9]{1,20})")
+_JSON = "application/json"
 _REASONS = {
     200: "OK",
     400: "Bad Request",
@@ -172,6 +184,12 @@ def _error(status: int, text: str) -> _Response:
     return _Response(status, f"{text}\n".encode())
 
 
+def _json_error(status: int, text: str) -> _Response:
+    # For /denials, whose clients parse JSON: the same fixed texts, nothing of the request.
+    body = json.dumps({"error": text}, ensure_ascii=True).encode("ascii") + b"\n"
+    return _Response(status, body, content_type=_JSON)
+
+
 class _HeadTooLarge(Exception):
     pass
 
@@ -210,17 +228,20 @@ async def _read_head(reader: asyncio.StreamReader) -> bytes | None:
 
 
 class AdminServer:
-    """Serves `/healthz`, `/readyz` and `/metrics` on the running event loop (see module doc).
+    """Serves `/healthz`, `/readyz`, `/metrics` and `/denials` on the running event loop (see
+    module doc).
 
     `metrics` returns (body, content type), e.g. prometheus_client's `generate_latest(registry)`
     with `CONTENT_TYPE_LATEST`; it is called on the loop for every GET or HEAD of `/metrics`, and
-    if it raises the answer is 500 with a one-line body (the exception goes to the log)."""
+    if it raises the answer is 500 with a one-line body (the exception goes to the log).
+    `denials` is the ring `/denials` reads (the one the audit log feeds); None: 404 there."""
 
     def __init__(
         self,
         readiness: Readiness,
         metrics: MetricsFn,
         *,
+        denials: Denials | None = None,
         header_timeout: float = 5.0,
         max_connections: int = 64,
         connection_timeout: float = 10.0,
@@ -231,6 +252,7 @@ class AdminServer:
             raise ValueError("max_connections must be at least 1")
         self._readiness = readiness
         self._metrics = metrics
+        self._denials = denials
         self._header_timeout = header_timeout
         self._connection_timeout = connection_timeout
         self._max_connections = max_connections
@@ -399,25 +421,39 @@ class AdminServer:
                 body_announced = True
         if body_announced:
             return _error(413, "admin requests take no body")
-        path = self._path(target)
-        if path not in _PATHS:
+        path, query = self._path(target)
+        if path not in _PATHS or (path == "/denials" and self._denials is None):
             return _error(404, "not found")
         if method not in (b"GET", b"HEAD"):
             response = _error(405, "method not allowed")
             response.extra.append(("Allow", "GET, HEAD"))
             return response
-        response = self._endpoint(path)
+        response = self._endpoint(path, query)
         response.head_only = method == b"HEAD"
         return response
 
     @staticmethod
-    def _path(target: bytes) -> str:
+    def _path(target: bytes) -> tuple[str, str | None]:
+        """The path and the query (None without a `?`) of a request target."""
         absolute = _ABSOLUTE.match(target)
         if absolute is not None:
             target = target[absolute.end() :] or b"/"
-        return target.split(b"?", 1)[0].decode("ascii")
+        path, question, query = target.decode("ascii").partition("?")
+        return path, query if question else None
 
-    def _endpoint(self, path: str) -> _Response:
+    def _denials_response(self, query: str | None) -> _Response:
+        assert self._denials is not None
+        since = 0
+        if query:  # no query, or an empty one (`/denials?`): everything in the ring
+            match = _SINCE.fullmatch(query)
+            if match is None:
+                return _json_error(400, "bad request: the only parameter is since=SEQ")
+            since = int(match.group(1))
+            if since > MAX_SINCE:
+                return _json_error(400, "bad request: since must be at most 2**63")
+        return _Response(200, self._denials.render(since), content_type=_JSON)
+
+    def _endpoint(self, path: str, query: str | None) -> _Response:
         if path == "/healthz":
             # Answering at all shows the process is alive and its event loop is turning.
             return _Response(200, b"ok\n")
@@ -426,6 +462,8 @@ class AdminServer:
             if ok:
                 return _Response(200, b"ready\n")
             return _Response(503, ("\n".join(unmet) + "\n").encode())
+        if path == "/denials":
+            return self._denials_response(query)
         return self._metrics_response()
 
     def _metrics_response(self) -> _Response:

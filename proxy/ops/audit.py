@@ -13,6 +13,9 @@ by a client.
 A write failure (disk full, closed pipe) never raises: an audit log that fails must not take the
 proxy down with it. Failures are counted in `write_errors` (and `egress_audit_write_errors_total`
 when a `Metrics` is given) and reported once on stderr.
+
+Given a `Denials` ring (proxy/ops/denials.py, served as `/denials`), every deny decision written
+here is also added to it, with the same time as its line: one decision, one line, one entry.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from proxy.decide.events import CloseEvent, DecisionEvent
 
 if TYPE_CHECKING:
+    from proxy.ops.denials import Denials
     from proxy.ops.metrics import Metrics
 
 
@@ -42,12 +46,14 @@ class AuditLog:
         stream: TextIO | None = None,
         session: str | None = None,
         metrics: Metrics | None = None,
+        denials: Denials | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if path is not None and stream is not None:
             raise ValueError("give an audit log path or a stream, not both")
         self.session = session
         self.metrics = metrics
+        self.denials = denials
         self.write_errors = 0
         self._clock = clock
         self._stream = stream
@@ -84,11 +90,17 @@ class AuditLog:
     def write(self, event: DecisionEvent | CloseEvent) -> None:
         # Written at once, line by line: a client that was refused may read the log the moment
         # it sees the refusal, and its line must be there.
+        now = self._clock()
         try:
-            line = event.line(session=self.session, now=self._clock())
+            line = event.line(session=self.session, now=now)
         except TypeError:
             # A caller's bug put an unhashable value in a text field: written as its text.
-            line = _as_text(event).line(session=self.session, now=self._clock())
+            event = _as_text(event)
+            line = event.line(session=self.session, now=now)
+        if self.denials is not None and type(event) is DecisionEvent and event.decision == "deny":
+            # Fed here, where the line is made, and whether or not the write succeeds: the
+            # denial happened, and a harness reading /denials should hear of it either way.
+            self.denials.add(event, now)
         self._emit(line + "\n")
 
     # -- output -------------------------------------------------------------------------------
