@@ -84,3 +84,17 @@ def refusal_response(refused: Refused, host: str, port: int | None, *, close: bo
     if close:
         lines.append("Connection: close")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("ascii") + body
+
+
+# TLS alert descriptions (RFC 8446 6.2): what a refused client's TLS stack reports.
+_ACCESS_DENIED = 49
+_INTERNAL_ERROR = 80
+
+
+def refusal_alert(refused: Refused) -> bytes:
+    """A refusal where only TLS was spoken (a transparent listener, after the ClientHello): one
+    fatal TLS alert record, `access_denied` for a denial and `internal_error` for an upstream or
+    DNS failure, so the client says "alert access denied" rather than reporting a reset. Sent
+    in the clear, before any ServerHello, as a server that refuses a handshake does."""
+    description = _INTERNAL_ERROR if refused.error else _ACCESS_DENIED
+    return bytes((0x15, 0x03, 0x03, 0x00, 0x02, 0x02, description))

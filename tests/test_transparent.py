@@ -88,8 +88,13 @@ table inet egress_test {{
     )
     assert tls_connections == 2 + explicit
     # A name outside the policy, and a ClientHello without SNI: closed, never resolved.
+    # Refused in the client's own protocol: a TLS alert, which TLS stacks name, not a reset.
     assert results["tls_denied"]["ok"] is False
+    assert "ALERT_ACCESS_DENIED" in results["tls_denied"]["detail"], results["tls_denied"]
     assert results["tls_no_sni"]["ok"] is False
+    assert "ALERT_ACCESS_DENIED" in results["tls_no_sni"]["detail"], results["tls_no_sni"]
+    assert results["curl_denied"]["code"] == 35, results["curl_denied"]  # a TLS handshake error
+    assert "access denied" in results["curl_denied"]["stderr"], results["curl_denied"]
     assert results["dns_denied_queries"] == 0
     # Plain HTTP: decided on the Host header by the front door's HTTP plane (plane l4), connected
     # to the name's checked address.

@@ -106,7 +106,18 @@ def tls_get(address: str, port: int, sni: str | None, ca: str) -> dict[str, Any]
             raw.connect((address, port))
             return tls_get_on(raw, context, sni, sni or address)
     except (OSError, ssl.SSLError) as exc:
-        return {"ok": False, "error": type(exc).__name__}
+        return {"ok": False, "error": type(exc).__name__, "detail": str(exc)[:300]}
+
+
+def curl_refused(address: str, port: int, name: str, ca: str) -> dict[str, Any]:
+    """curl to https://name:port/ at `address` (no proxy variables: the redirect takes it): its
+    exit code and what it said."""
+    done = subprocess.run(
+        ["curl", "-sS", "--noproxy", "*", "--max-time", "5", "--cacert", ca,
+         "--resolve", f"{name}:{port}:{address}", f"https://{name}:{port}/"],
+        capture_output=True, text=True, timeout=15,
+    )  # fmt: skip
+    return {"code": done.returncode, "stderr": done.stderr[-300:]}
 
 
 def http_get(address: str, port: int, head: str) -> dict[str, Any]:
@@ -241,6 +252,7 @@ def main() -> int:
             results["tls_v6"] = tls_get(ORIGINAL_V6, tls_port, "tls.test", ca_path)
             results["tls_denied"] = tls_get(ORIGINAL_V4, tls_port, "denied.test", ca_path)
             results["tls_no_sni"] = tls_get(ORIGINAL_V4, tls_port, None, ca_path)
+            results["curl_denied"] = curl_refused(ORIGINAL_V4, tls_port, "denied.test", ca_path)
             results["http_allowed"] = http_get(
                 ORIGINAL_V4, http_port, f"GET / HTTP/1.1\r\nHost: web.test:{http_port}\r\n"
                 "Connection: close\r\n\r\n",

@@ -4,8 +4,10 @@ that name, never to the original destination, which is read only for its port; a
 that is intercepted (its host's rules decide paths, or `inspection.mode: all`) is vetted here and
 then served by the interception engine, exactly as an explicit one. Plain HTTP is decided on its
 Host header by the HTTP plane. No SNI, no Host, or a connection that was not redirected: refused.
-The client asked nothing of a proxy, so nothing can be answered in HTTP: a refusal closes the
-connection (its decision and close lines say why)."""
+The client asked nothing of a proxy, so a refusal speaks the client's own protocol: a TLS
+connection refused after its ClientHello gets a fatal TLS alert (`access_denied`, or
+`internal_error` when the upstream or DNS failed) before the close; one refused before anything
+was read is closed. Its decision and close lines say why."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from proxy.decide.clienthello import starts_like_tls
 from proxy.decide.interception import intercepted
 from proxy.decide.sni_gate import read_hello
 from proxy.net.sockets import original_destination
-from proxy.reasons import Refused, authority
+from proxy.reasons import Refused, authority, refusal_alert
 
 if TYPE_CHECKING:
     from policy import Decision
@@ -47,7 +49,9 @@ class Transparent(Connection):
         self.arm_timer(self.door.config.limits.header_timeout)
 
     def answer_refusal(self, refused: Refused, host: str | None, port: int | None) -> None:
-        pass  # see the module docstring: closing is the answer
+        # Only after a TLS record arrived: then the client's TLS stack reads the alert.
+        if self.buffer[:1] == b"\x16":
+            self.transport.write(refusal_alert(refused))
 
     def received(self) -> None:
         data = bytes(self.buffer)
