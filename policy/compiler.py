@@ -26,6 +26,7 @@ from policy.manifests import Manifest
 from policy.operator import OperatorRules, PlatformDestination
 from policy.paths import PathDecision, decide_path
 from policy.reasons import Reason
+from policy.remedies import remedy
 from policy.rules import Rule
 from policy.trie import Match, SuffixTrie
 from policy.urls import RULE_SCHEME, TLS_SCHEMES, Target, parse_target
@@ -320,6 +321,45 @@ class Policy:
             port,
             "ports",
         )
+
+    # -- remedies ----------------------------------------------------------------------------
+
+    @cached_property
+    def _patterns(self) -> dict[str, str]:
+        """Each manifest entry's text by its id, for a remedy that names the entry to remove."""
+        return {rule.id: rule.pattern for rule in self.manifest.rules}
+
+    def remedy(self, result: Decision | AddressDecision, target: str | None = None) -> str | None:
+        """The one change that would allow a refused `result` (policy/remedies.py), in this
+        manifest's grammar; `target`: what was decided on (its scheme, port and path shape a
+        URL prefix to add). None for an allow, or when there is no change to name. Never
+        raises: a remedy is advice, and a refusal must go out without it rather than fail."""
+        if result.allowed:
+            return None
+        try:
+            reason = result.reason
+            pattern = self._patterns.get(result.rule) if result.rule is not None else None
+            if reason == Reason.MIXED_ANSWER and pattern is not None:
+                # The refused address of the mix is one a manifest block names.
+                reason = Reason.BLOCKED_ADDRESS
+            scheme = path = None
+            port = result.port if isinstance(result, Decision) else None
+            if target is not None and reason == Reason.PATH_NOT_ALLOWED:
+                parsed = parse_target(target)
+                scheme, path = parsed.scheme, parsed.path
+                port = parsed.effective_port
+            return remedy(
+                reason,
+                result.host,
+                manifest_format=self.manifest.format,
+                rule=result.rule,
+                pattern=pattern,
+                scheme=scheme,
+                port=port,
+                path=path,
+            )
+        except Exception:
+            return None
 
     # -- address stage -----------------------------------------------------------------------
 

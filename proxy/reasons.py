@@ -10,6 +10,7 @@ must not import it.
 from __future__ import annotations
 
 from policy.reasons import Reason
+from policy.remedies import client_remedy
 
 __all__ = [
     "DENIED_HEADER",
@@ -26,6 +27,9 @@ DENIED_HEADER = "X-Egress-Denied"
 ERROR_HEADER = "X-Egress-Error"
 
 _MAX_SHOWN = 200
+# A remedy names a host (up to 253 characters) and a few words around it: room for the longest
+# valid name, while a hostile one is still cut (the whole line stays under 1 KiB).
+_MAX_REMEDY = 400
 _REASON_PHRASES = {
     400: "Bad Request",
     403: "Forbidden",
@@ -39,20 +43,32 @@ _REASON_PHRASES = {
 
 class Refused(Exception):
     """A denial (or an upstream error, `error=True`) on its way to the client: the status, the
-    reason code and a message for the audit line."""
+    reason code, a message for the audit line and the remedy its body ends with (the change
+    that would allow it, policy/remedies.py). `remedy` None: the client's own fix for the
+    reason, if it has one; the vetting step passes the policy's, which names manifest entries.
+    An upstream or DNS error has none: nothing the client or a manifest changes fixes it."""
 
-    def __init__(self, status: int, reason: str, message: str, *, error: bool = False) -> None:
+    def __init__(
+        self,
+        status: int,
+        reason: str,
+        message: str,
+        *,
+        error: bool = False,
+        remedy: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.reason = reason
         self.message = message
         self.error = error
+        self.remedy = None if error else remedy if remedy is not None else client_remedy(reason)
 
 
-def shown(text: object) -> str:
+def shown(text: object, limit: int = _MAX_SHOWN) -> str:
     """Client-controlled text for a one-line body or message: printable ASCII, capped."""
     value = "".join(c if " " <= c <= "~" else "?" for c in str(text))
-    return value if len(value) <= _MAX_SHOWN else value[: _MAX_SHOWN - 3] + "..."
+    return value if len(value) <= limit else value[: limit - 3] + "..."
 
 
 def authority(host: str, port: int) -> str:
@@ -60,13 +76,24 @@ def authority(host: str, port: int) -> str:
 
 
 def refusal_parts(
-    status: int, host: str, port: int | None, reason: str, *, error: bool = False
+    status: int,
+    host: str,
+    port: int | None,
+    reason: str,
+    *,
+    error: bool = False,
+    remedy: str | None = None,
 ) -> tuple[dict[str, str], bytes]:
     """The headers and body of a refusal: `X-Egress-Denied` (or `X-Egress-Error` for upstream
-    and DNS errors) with the reason code, and one line naming host and reason. Never 407."""
+    and DNS errors) with the bare reason code, and one line naming host and reason and, when
+    there is one, the change that would allow it (DESIGN 5), for an agent to act on:
+    `egress-proxy: denied.test:443 denied: not_allowed: add 'denied.test' to network.egress`.
+    Never 407."""
     where = shown(host if port is None else authority(host, port))
     verb = "failed" if error else "denied"
-    body = f"egress-proxy: {where} {verb}: {reason}\n".encode("ascii", "replace")
+    # The remedy names what clients sent (a host, a path): one printable line, capped.
+    tail = f": {shown(remedy, _MAX_REMEDY)}" if remedy and not error else ""
+    body = f"egress-proxy: {where} {verb}: {reason}{tail}\n".encode("ascii", "replace")
     headers = {
         ERROR_HEADER if error else DENIED_HEADER: reason,
         "Content-Type": "text/plain; charset=us-ascii",
@@ -76,7 +103,9 @@ def refusal_parts(
 
 def refusal_response(refused: Refused, host: str, port: int | None, *, close: bool = True) -> bytes:
     """The whole HTTP/1.1 response for a refusal, as bytes (the fast path writes it itself)."""
-    headers, body = refusal_parts(refused.status, host, port, refused.reason, error=refused.error)
+    headers, body = refusal_parts(
+        refused.status, host, port, refused.reason, error=refused.error, remedy=refused.remedy
+    )
     phrase = _REASON_PHRASES.get(refused.status, "Error")
     lines = [f"HTTP/1.1 {refused.status} {phrase}"]
     lines += [f"{name}: {value}" for name, value in headers.items()]

@@ -375,7 +375,9 @@ async def test_denied_connect_is_403_never_resolved_nor_dialled(
         assert "x-egress-error" not in headers
         assert body.count(b"\n") == 1 and reason.encode() in body
         if target == "denied.test":
-            assert body == f"egress-proxy: {authority} denied: {reason}\n".encode()
+            # The line ends with the change that would allow it (DESIGN 5).
+            remedy = "add 'denied.test' to network.egress"
+            assert body == f"egress-proxy: {authority} denied: {reason}: {remedy}\n".encode()
         (close,) = await door.wait_closes(1)
         assert upstream.connections == 0
     assert dns.queries == []

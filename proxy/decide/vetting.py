@@ -299,7 +299,9 @@ class Vetter:
             decision = self.decide(target, policy)
         if not decision.allowed:
             self.record(decision, peer, protocol, **context)
-            raise Refused(403, decision.reason, decision.message)
+            raise Refused(
+                403, decision.reason, decision.message, remedy=policy.remedy(decision, target)
+            )
         named = {"rule": decision.rule, "ceiling": decision.ceiling, **context}
         if decision.needs_inspection and not inspecting:
             refused = Refused(
@@ -340,7 +342,12 @@ class Vetter:
         checked = self._check_addresses(policy, host, addresses, cname_chain)
         if not checked.allowed or not checked.pinned:
             self.record(checked, peer, protocol, port=port, **named)
-            raise Refused(403, checked.reason or Reason.NO_ADDRESSES, checked.message)
+            raise Refused(
+                403,
+                checked.reason or Reason.NO_ADDRESSES,
+                checked.message,
+                remedy=policy.remedy(checked),
+            )
         vetted = Vetted(decision, checked, tuple(checked.pinned))
         if final:
             self.allowed(peer, protocol, stage="address", vetted=vetted, port=port, **context)

@@ -72,7 +72,9 @@ def denial(refused: Refused, host: str, port: int | None) -> http.Response:
     """The 403 (or 4xx/5xx) + X-Egress-Denied (X-Egress-Error for upstream errors) answer with
     its one-line body. A denial leaves the client's keep-alive connection usable; an upstream
     error closes it, as the upstream connection is gone."""
-    headers, body = refusal_parts(refused.status, host, port, refused.reason, error=refused.error)
+    headers, body = refusal_parts(
+        refused.status, host, port, refused.reason, error=refused.error, remedy=refused.remedy
+    )
     if refused.error:
         headers["Connection"] = "close"
     return http.Response.make(refused.status, body, headers)
