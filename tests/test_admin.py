@@ -20,7 +20,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 
 from proxy.errors import ProxyError
 from proxy.netaddr import format_listen, parse_listen
-from proxy.ops.admin import MAX_HEAD_BYTES, AdminServer, Readiness
+from proxy.ops.admin import MAX_HEAD_BYTES, AdminServer
+from proxy.ops.readiness import Readiness
 
 CURL = shutil.which("curl")
 needs_curl = pytest.mark.skipif(CURL is None, reason="curl is not installed")

@@ -23,9 +23,10 @@ from dns_server import DNSServer
 from running import LOOPBACK, RunningProxy, curl, http_upstream, wait_for
 
 from proxy.decide.events import MAX_FIELD, CloseEvent, DecisionEvent
-from proxy.ops.admin import AdminServer, Readiness
+from proxy.ops.admin import AdminServer
 from proxy.ops.audit import AuditLog
 from proxy.ops.denials import Denials
+from proxy.ops.readiness import Readiness
 
 FIELDS = ("seq", "time", "host", "port", "reason", "rule", "message", "plane", "protocol")
 # The fields an entry shares with its audit line (all but `seq`).

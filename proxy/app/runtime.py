@@ -55,10 +55,11 @@ from proxy.dns.server import DnsServer, ServerLimits
 from proxy.errors import ProxyError
 from proxy.net.resolver import Resolver
 from proxy.netaddr import Listener, format_listen, own_listener
-from proxy.ops.admin import AdminServer, Readiness
+from proxy.ops.admin import AdminServer
 from proxy.ops.audit import AuditLog
 from proxy.ops.denials import Denials
 from proxy.ops.metrics import Metrics
+from proxy.ops.readiness import Readiness
 from proxy.settings import Config
 from proxy.terminal import printable
 
