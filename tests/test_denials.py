@@ -21,12 +21,12 @@ from dns import query as dnsquery
 from dns import rcode as dnsrcode
 from dns_server import DNSServer
 from running import LOOPBACK, RunningProxy, curl, http_upstream, wait_for
+from test_admin import all_ready
 
 from proxy.decide.events import MAX_FIELD, CloseEvent, DecisionEvent
 from proxy.ops.admin import AdminServer
 from proxy.ops.audit import AuditLog
 from proxy.ops.denials import Denials
-from proxy.ops.readiness import Readiness
 
 FIELDS = ("seq", "time", "host", "port", "reason", "rule", "message", "plane", "protocol")
 # The fields an entry shares with its audit line (all but `seq`).
@@ -144,13 +144,6 @@ def test_text_values_are_written_as_the_audit_line_writes_them() -> None:
 # ---- /denials on the admin listener
 
 
-def ready() -> Readiness:
-    readiness = Readiness()
-    for name in ("policy_compiled", "listeners_bound", "boundary_verified"):
-        readiness.set(name, True)
-    return readiness
-
-
 def no_metrics() -> tuple[bytes, str]:
     return b"", "text/plain; version=0.0.4; charset=utf-8"
 
@@ -183,7 +176,7 @@ async def admin() -> AsyncIterator[Admin]:
     ring = Denials(capacity=10, per_request=4)
     for n in range(1, 13):
         ring.add(deny(f"h{n}.test"), 1_700_000_000.0 + n)
-    server = AdminServer(ready(), no_metrics, denials=ring)
+    server = AdminServer(all_ready(), no_metrics, denials=ring)
     _, port = await server.start(LOOPBACK, 0)
     try:
         yield Admin(server, ring, port)
@@ -252,7 +245,7 @@ async def test_other_paths_and_methods(admin: Admin) -> None:
 
 @pytest.mark.asyncio
 async def test_without_a_ring_denials_is_404() -> None:
-    server = AdminServer(ready(), no_metrics)
+    server = AdminServer(all_ready(), no_metrics)
     _, port = await server.start(LOOPBACK, 0)
     try:
         status, _, _ = await Admin(server, Denials(), port).request("/denials")

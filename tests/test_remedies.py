@@ -8,13 +8,13 @@ the running proxy writes it as the last part of every HTTP refusal's body, while
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from dns_server import DNSServer
 from running import HTTPUpstream, RunningProxy, curl, http_upstream
+from test_run_policy_edges import exchange
 
 from policy import Policy, Reason, compile_policy, load_ceiling, load_manifest
 from policy.remedies import client_remedy, path_prefix, remedy
@@ -267,23 +267,6 @@ def test_a_hostile_host_stays_one_printable_capped_line() -> None:
 def upstream() -> Iterator[HTTPUpstream]:
     with http_upstream() as server:
         yield server
-
-
-def exchange(port: int, request: bytes, timeout: float = 5.0) -> bytes:
-    """One request on a fresh connection to the proxy; everything it answers until it closes
-    (or goes quiet once its answer is written)."""
-    with socket.create_connection((LOOPBACK, port), timeout=timeout) as conn:
-        conn.sendall(request)
-        got = b""
-        try:
-            while True:
-                chunk = conn.recv(65536)
-                if not chunk:
-                    break
-                got += chunk
-        except TimeoutError:
-            pass
-    return got
 
 
 def test_the_running_proxy_names_the_network_egress_entry_on_connect_and_plain_http(
