@@ -8,6 +8,7 @@ policy/paths.py and addresses by policy/answers.py; `Policy.decide` and
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import ipaddress
 from collections.abc import Iterator, Sequence
@@ -22,6 +23,7 @@ from policy.errors import PolicyError
 from policy.findings import Finding, quote
 from policy.grants import Grant, check_manifest, declared_allows, deploy_findings, intersect
 from policy.hostnames import name_refusal, normalize_host, parse_ip_literal
+from policy.learning import learnable
 from policy.manifests import Manifest
 from policy.operator import OperatorRules, PlatformDestination
 from policy.paths import PathDecision, decide_path
@@ -321,6 +323,42 @@ class Policy:
             port,
             "ports",
         )
+
+    # -- learning mode -----------------------------------------------------------------------
+
+    def learn(self, decision: Decision, target: str | Target) -> Decision:
+        """Learning mode (`run --learn`): `decision` on `target`, let through (`would_deny`,
+        reason kept) when it is a refusal only a manifest entry could lift
+        (policy/learning.py); any other decision as it is. A host with blocked URL prefixes
+        is let through only inspected (TLS), so that its blocks still hold on every request;
+        refused as `inspection_disabled` where inspection is off. Never raises: on anything
+        unexpected the refusal stands (fail closed)."""
+        if decision.allowed or not learnable(decision.reason):
+            return decision
+        try:
+            parsed = parse_target(target) if isinstance(target, str) else target
+            tls = parsed.scheme is None or parsed.scheme in TLS_SCHEMES
+            blocked_paths = bool(self._trie.match(decision.host).block_urls)
+            inspect = tls and (blocked_paths or decision.reason == Reason.PATH_NOT_ALLOWED)
+            if inspect and not self.operator.inspection_enabled:
+                return Decision(
+                    False,
+                    Reason.INSPECTION_DISABLED,
+                    f"{decision.host} has path rules, which need TLS inspection even while "
+                    "learning, and inspection is disabled",
+                    decision.host,
+                    decision.port,
+                    decision.rule,
+                )
+            return dataclasses.replace(
+                decision,
+                allowed=True,
+                message=f"{decision.message}; learning: let through",
+                needs_inspection=inspect,
+                would_deny=True,
+            )
+        except Exception:
+            return decision
 
     # -- remedies ----------------------------------------------------------------------------
 

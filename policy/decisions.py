@@ -25,6 +25,9 @@ class Decision:
     ceiling: str | None = None  # the ceiling entry that admitted it, when a ceiling applies
     needs_inspection: bool = False  # paths decide: the connection must go through L7
     stage: str = "name"
+    # Learning mode (`run --learn`, Policy.learn): refused for `reason`, let through; its audit
+    # line says `would_deny`. Never set by `decide` itself.
+    would_deny: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -94,6 +94,7 @@ class Reason(StrEnum):
     INVALID_REQUEST = "invalid_request"  # an HTTP request (or CONNECT head) that cannot be parsed
     INSPECTION_UNSUPPORTED = "inspection_unsupported"  # paths decide on a protocol not inspected
     UPGRADE_REFUSED = "upgrade_refused"  # an Upgrade to anything but WebSocket
+    CONNECT_REFUSED = "connect_refused"  # a CONNECT inside interception (h2 extended CONNECT too)
     HEADER_TIMEOUT = "header_timeout"  # no complete head (or ClientHello) within the time limit
     NO_ORIGINAL_DESTINATION = "no_original_destination"  # a transparent connection not redirected
     PROXY_LOOP = "proxy_loop"  # a destination that is one of the proxy's own listeners

@@ -24,6 +24,13 @@ ECH_ALLOW = "allow"
 ECH_REFUSE = "refuse"
 ECH_MODES = (ECH_ALLOW, ECH_REFUSE)
 
+# `learn` (top level): whether `run --learn` may start. LEARN_ALLOW (the default): it may;
+# LEARN_FORBID: it exits naming the key, and a reload that brings it stops a learning session's
+# learning (proxy/app/runtime.py).
+LEARN_ALLOW = "allow"
+LEARN_FORBID = "forbid"
+LEARN_MODES = (LEARN_ALLOW, LEARN_FORBID)
+
 
 @dataclass(frozen=True, slots=True)
 class Nameserver:
@@ -39,6 +46,50 @@ class Limits:
     max_connections: int = 1024
 
 
+class Secret:
+    """A credential's value (proxy/app/credentials.py reads it): bytes that never print, so a
+    Config in a log line, a traceback or a repr shows that there is one and nothing of it."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: bytes) -> None:
+        self._value = value
+
+    def reveal(self) -> bytes:
+        return self._value
+
+    def __repr__(self) -> str:
+        return "Secret(<hidden>)"
+
+    __str__ = __repr__
+
+
+@dataclass(frozen=True, slots=True)
+class Credential:
+    """One entry of the operator's `credentials` (proxy/app/credentials.py): the header put
+    into requests to `host` alone, valued `template` with the secret in place of `{value}`."""
+
+    name: str  # in audit lines and metrics
+    host: str  # exact, canonical: never its subdomains
+    header: str  # a field name, as the operator wrote it
+    value_file: str | None  # exactly one of these two says where the secret is
+    value_env: str | None
+    template: str = "{value}"
+    placeholder: str | None = None  # set: only a header equal to the template around it
+    env: str | None = None  # the sandbox gives COMMAND this variable, set to the placeholder
+    allow_plain_http: bool = False
+    path: str = "credentials"  # where it is in the config, for messages
+    # Read at start-up and on each reload; None in a config that was only parsed (`check`).
+    secret: Secret | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def source(self) -> str:
+        """Where the secret comes from, as messages name it (never the secret itself)."""
+        if self.value_file is not None:
+            return f"value_file {self.value_file}"
+        return f"value_env {self.value_env}"
+
+
 @dataclass(frozen=True, slots=True)
 class Config:
     operator: OperatorRules = field(default_factory=OperatorRules)
@@ -52,3 +103,9 @@ class Config:
     source: str | None = None
     inspection_mode: str = PREFIXES  # one of INSPECTION_MODES
     tls_ech: str = ECH_ALLOW  # one of ECH_MODES; a reload changes it for later tunnels
+    learn: str = LEARN_ALLOW  # one of LEARN_MODES
+    # Where the session's trust bundle and CA certificate are published (proxy/l7/trust.py);
+    # None: beside the CA, once the CA is loaded. Set, the CA is loaded at start.
+    trust_dir: str | None = None
+    # The operator's `credentials`, each with its secret once read (Credential.secret).
+    credentials: tuple[Credential, ...] = ()

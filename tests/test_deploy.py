@@ -22,6 +22,7 @@ import kubernetes_validate.utils
 import pytest
 import yaml
 
+from proxy.app.config import load_config
 from proxy.boundary.nft.chains import DEFAULT_TABLE
 from proxy.boundary.nft.compare import expected_chains
 from proxy.boundary.nft.pod import pod_ruleset
@@ -30,6 +31,7 @@ from proxy.boundary.probes.spec import parse_spec
 from proxy.cli import build_parser
 from proxy.cli import main as cli_main
 from proxy.errors import ProxyError
+from proxy.l7.trust import BUNDLE_NAME, CA_NAME, trust_environment
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -306,6 +308,42 @@ def test_sidecar_pod_activates_in_order_with_least_privilege(tmp_path: Path) -> 
     assert build_parser().parse_args(verify["args"]).proxy_port == explicit
     assert_config_maps_exist(docs, spec)
     check_with_cli(docs, tmp_path)
+
+
+def test_sidecar_agent_trusts_the_published_bundle_and_never_sees_the_key() -> None:
+    docs = shape_documents("sidecar")
+    spec = one(docs, "Pod")["spec"]
+    proxy = {c["name"]: c for c in spec["initContainers"]}["egress-proxy"]
+    agent = spec["containers"][0]
+    config = load_config(
+        next(d["data"]["config.yaml"] for d in docs if "config.yaml" in d.get("data", {}))
+    )
+    assert config.operator.inspection_enabled and config.trust_dir is not None
+    volumes = {v["name"]: v for v in spec["volumes"]}
+
+    def mounts(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        return {m["mountPath"]: m for m in container.get("volumeMounts", [])}
+
+    # The proxy writes the bundle where the agent reads it, read-only.
+    published = mounts(proxy)[config.trust_dir]
+    read = mounts(agent)[config.trust_dir]
+    assert published["name"] == read["name"] and "emptyDir" in volumes[read["name"]]
+    assert read.get("readOnly") is True and not published.get("readOnly")
+    # The CA directory is below a volume only the proxy mounts (the mount point itself is
+    # world-writable, which ensure_ca refuses): the agent has no mount of it at all.
+    ca_mounts = [path for path in mounts(proxy) if config.ca_dir.startswith(path + "/")]
+    assert len(ca_mounts) == 1
+    ca_volume = mounts(proxy)[ca_mounts[0]]["name"]
+    assert volumes[ca_volume]["emptyDir"].get("medium") == "Memory"
+    for container in all_containers(spec):
+        if container is not proxy:
+            assert ca_volume not in {m["name"] for m in container.get("volumeMounts", [])}
+    # Every trust variable, naming the file egress-proxy publishes under that name.
+    env = {e["name"]: e.get("value") for e in agent["env"]}
+    expected = trust_environment(
+        f"{config.trust_dir}/{BUNDLE_NAME}", f"{config.trust_dir}/{CA_NAME}"
+    )
+    assert {name: env.get(name) for name in expected} == expected
 
 
 def test_sidecar_network_policy_selects_the_pod() -> None:

@@ -492,14 +492,15 @@ async def test_a_101_the_request_did_not_ask_for_never_reaches_the_client(
 
 
 @pytest.mark.asyncio
-async def test_an_http2_client_is_served_over_http1_inside(proxy: Running) -> None:
-    # ALPN offers h2 and http/1.1; inside interception only HTTP/1.1 is spoken (for now), so
-    # every request carries the Host header checked against the SNI.
+async def test_an_http2_client_reaches_an_http1_upstream(proxy: Running) -> None:
+    # ALPN h2 to the client; this upstream offers no ALPN, so it is spoken HTTP/1.1 to, with
+    # the request's :authority as its Host (more: tests/test_h2_interception.py).
     async with tls_serving(Upstream()) as upstream:
         status, _, body = await curl(
             proxy, f"https://up.test:{upstream.port}/", "--http2", "--cacert", PROXY_CA
         )
     assert (status, body) == (200, BODY)
+    assert upstream.requests == [("GET / HTTP/1.1", f"up.test:{upstream.port}")]
 
 
 # -- upstream errors, fallback, pinning ------------------------------------------------------
@@ -584,7 +585,9 @@ async def test_a_changed_answer_within_the_ttl_still_goes_to_the_checked_address
 async def test_keep_alive_reuses_the_pinned_upstream_connection(proxy: Running) -> None:
     async with tls_serving(Upstream()) as upstream:
         url = f"https://up.test:{upstream.port}/"
-        status, _, body = await curl(proxy, url + "a", url + "b", "--cacert", PROXY_CA)
+        # HTTP/1.1 to the proxy as to this upstream: mitmproxy gives each HTTP/2 stream bound
+        # for an HTTP/1.1 upstream a connection of its own (tests/test_h2_interception.py).
+        status, _, body = await curl(proxy, url + "a", url + "b", "--cacert", PROXY_CA, "--http1.1")
         assert (status, body) == (200, BODY * 2)
     assert [r[0] for r in upstream.requests] == ["GET /a HTTP/1.1", "GET /b HTTP/1.1"]
     assert upstream.connections == 1  # the upstream connection is reused, by name

@@ -7,7 +7,10 @@ before it runs (the engine itself refuses to start then: `patches.verify`).
   not-vetted tests of tests/test_engine.py).
 - InterceptInstance.serve re-implements ServerInstance.handle_stream for our handler and stack.
 - AnsweringHttpLayer relies on HttpLayer.event_to_child and HttpStream.handle_protocol_error
-  (behaviour: the 502 upstream_tls / upstream_refused and 504 tests).
+  (behaviour: the 502 upstream_tls / upstream_refused and 504 tests), and, for invalid requests
+  and refused HTTP/2 streams, on HttpStream.check_invalid, validate_request, check_killed and
+  HttpLayer._handle_event; EgressHttp2Server on Http2Server.handle_h2_event and the HTTP/2
+  header parsing (behaviour: tests/test_h2_interception.py).
 - The custom mode is found through mitmproxy's own registries (ProxyMode.parse,
   ServerInstance.make).
 """

@@ -224,12 +224,19 @@ def test_run_creates_the_inspection_ca_and_says_how_to_trust_it(
     extra = f"inspection:\n  ca_dir: {ca_dir}\n"
     with RunningProxy(tmp_path / "one", PATHS, dns=dns, config_extra=extra) as proxy:
         cert = ca_dir / "mitmproxy-ca-cert.pem"
-        assert f"TLS inspection CA {cert} (created now)" in proxy.stderr()
-        assert f"curl --cacert {cert}" in proxy.stderr()
+        assert f"TLS inspection CA {cert} (created now" in proxy.stderr()
+        # How a client trusts it: the bundle (system roots + the CA) and the CA alone for Node,
+        # by the variables the common tools read.
+        bundle, alone = ca_dir / "trust-bundle.pem", ca_dir / "session-ca.pem"
+        assert f"trust bundle {bundle} (" in proxy.stderr()
+        assert f"SSL_CERT_FILE={bundle} " in proxy.stderr()
+        assert f"PIP_CERT={bundle} " in proxy.stderr()
+        assert f"NODE_EXTRA_CA_CERTS={alone} " in proxy.stderr()
+        assert alone.read_bytes() == cert.read_bytes()
         first = cert.read_bytes()
     # The next start uses the same CA.
     with RunningProxy(tmp_path / "two", PATHS, dns=dns, config_extra=extra) as proxy:
-        assert f"TLS inspection CA {cert} (existing)" in proxy.stderr()
+        assert f"TLS inspection CA {cert} (existing" in proxy.stderr()
         assert cert.read_bytes() == first
 
 

@@ -56,6 +56,7 @@ def test_transparent_tls_is_intercepted_like_connect(tmp_path: Path, mode: str) 
     assert results["admin"] == {"ok": True, "status": "403", "denied": ["path_not_allowed"]}
     assert results["h2c"] == {"ok": True, "status": "403", "denied": ["upgrade_refused"]}
     assert results["curl"]["status"] == "200", results["curl"]
+    assert results["curl"]["version"] == "2", results["curl"]  # ALPN h2 here too
     # A host allowed whole: passthrough (its own certificate) unless every TLS connection is
     # intercepted; then ours, and a request inside for another host is refused.
     if mode == "prefixes":

@@ -64,14 +64,21 @@ def get(host: str, path: str, *headers: str) -> str:
 
 
 def curl(port: int, url: str, ca: str) -> dict[str, Any]:
-    """curl with no proxy at all, its name resolved to the redirected address."""
+    """curl with no proxy at all, its name resolved to the redirected address: the status and
+    the HTTP version it spoke (it offers h2)."""
     host = url.split("/")[2].split(":")[0]
     done = subprocess.run(
         [CURL, "-sS", "--max-time", "5", "--resolve", f"{host}:{port}:{ORIGINAL_V4}",
-         "--cacert", ca, "-o", "/dev/null", "-w", "%{http_code}", url],
+         "--cacert", ca, "-o", "/dev/null", "-w", "%{http_code} %{http_version}", url],
         capture_output=True, timeout=15, env={"PATH": "/usr/bin:/bin"},
     )  # fmt: skip
-    return {"code": done.returncode, "status": done.stdout.decode(), "error": done.stderr.decode()}
+    status, _, version = done.stdout.decode().partition(" ")
+    return {
+        "code": done.returncode,
+        "status": status,
+        "version": version,
+        "error": done.stderr.decode(),
+    }
 
 
 def start_proxy(work: Path, proxy_port: int) -> subprocess.Popen[bytes]:

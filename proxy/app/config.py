@@ -18,6 +18,7 @@ from policy.findings import describe_type, quote
 from policy.hostnames import check_entry, parse_ip_literal
 from policy.urls import split_authority
 from proxy.app.config_reader import ConfigReader, Section, parse_duration
+from proxy.app.credentials import read_credentials
 from proxy.errors import ProxyError
 from proxy.settings import (
     ALL,
@@ -25,6 +26,8 @@ from proxy.settings import (
     ECH_ALLOW,
     ECH_MODES,
     INSPECTION_MODES,
+    LEARN_ALLOW,
+    LEARN_MODES,
     PREFIXES,
     Config,
     Limits,
@@ -39,10 +42,12 @@ SECTIONS: dict[str, tuple[str, ...] | None] = {
     "addresses": ("allow", "deny", "in_cluster"),
     "platform_destinations": None,
     "ports": None,
-    "inspection": ("enabled", "ca_dir", "upstream_ca", "mode"),
+    "inspection": ("enabled", "ca_dir", "upstream_ca", "mode", "trust_dir"),
     "tls": ("ech",),
     "limits": ("connect_timeout", "idle_timeout", "header_timeout", "max_connections"),
     "internal_suffixes": None,
+    "learn": None,
+    "credentials": None,  # proxy/app/credentials.py
 }
 _PLATFORM_KEYS = ("host", "ports", "cidrs")
 # Far more than one session's file descriptors allow; a larger number is a typo.
@@ -75,10 +80,12 @@ def load_config(data: bytes | str, *, source: str = "<config>") -> Config:
     addresses = _addresses(section("addresses"))
     platform = _platform_destinations(top)
     ports = _ports(top)
-    enabled, ca_dir, upstream_ca, mode = _inspection(section("inspection"))
+    enabled, ca_dir, upstream_ca, mode, trust_dir = _inspection(section("inspection"))
     ech = _tls(section("tls"))
     limits = _limits(section("limits"))
     suffixes = _internal_suffixes(top)
+    learn = top.choice("learn", LEARN_MODES, LEARN_ALLOW)
+    credentials = read_credentials(top, inspection_enabled=enabled)
     reader.finish()
     operator = OperatorRules(
         addresses=addresses,
@@ -97,6 +104,9 @@ def load_config(data: bytes | str, *, source: str = "<config>") -> Config:
         source,
         inspection_mode=mode,
         tls_ech=ech,
+        learn=learn,
+        trust_dir=trust_dir,
+        credentials=credentials,
     )
 
 
@@ -192,24 +202,30 @@ def _ports(top: Section) -> frozenset[int] | None:
     return ports
 
 
-def _inspection(inspection: Section) -> tuple[bool, str, str | None, str]:
-    """`inspection.enabled`, `ca_dir`, `upstream_ca` (None: certifi's bundle) and `mode`:
+def _inspection(inspection: Section) -> tuple[bool, str, str | None, str, str | None]:
+    """`inspection.enabled`, `ca_dir`, `upstream_ca` (None: certifi's bundle), `mode`:
     `prefixes` (the default: only hosts whose rules decide paths are intercepted) or `all`
-    (every allowed TLS connection), which needs inspection enabled."""
+    (every allowed TLS connection), which needs inspection enabled, and `trust_dir` (None:
+    the trust bundle goes beside the CA), likewise."""
     enabled = inspection.flag("enabled", True)
     mode = inspection.choice("mode", INSPECTION_MODES, PREFIXES)
-    if mode == ALL and not enabled:
-        inspection.reader.problem(
-            inspection.path("mode"),
-            mode,
-            "invalid_value",
-            "'all' intercepts every TLS connection, which needs inspection.enabled: true",
-        )
+    trust_dir = inspection.optional_text("trust_dir")
+    needs = {"mode": mode == ALL, "trust_dir": trust_dir is not None}
+    for key, what in (("mode", "'all' intercepts every TLS connection"),
+                      ("trust_dir", "a trust bundle holds the inspection CA")):  # fmt: skip
+        if needs[key] and not enabled:
+            inspection.reader.problem(
+                inspection.path(key),
+                inspection.get(key),
+                "invalid_value",
+                f"{what}, which needs inspection.enabled: true",
+            )
     return (
         enabled,
         inspection.text("ca_dir", DEFAULT_CA_DIR),
         inspection.optional_text("upstream_ca"),
         mode,
+        trust_dir,
     )
 
 

@@ -20,6 +20,9 @@ from policy import (
 from policy.documents import MAX_DOCUMENT_BYTES, too_large
 from policy.manifests import Format
 from proxy.app.config import Config, load_config
+from proxy.app.credentials import check_credentials, load_secrets
+from proxy.errors import ProxyError
+from proxy.settings import LEARN_FORBID
 
 
 def read_input(path: str) -> bytes:
@@ -113,8 +116,10 @@ def read_inputs(
 
 
 def compile_inputs(inputs: Inputs) -> Compiled:
-    """Read the config and ceiling files, parse the manifest and compile. Raises PolicyError
-    (invalid_manifest for a manifest that does not compile; other reasons for bad input)."""
+    """Read the config and ceiling files, parse the manifest and compile, then check each
+    credential's host against the policy and read the secrets (start-up and every reload:
+    a rotated secret is read again). Raises PolicyError (invalid_manifest for a manifest that
+    does not compile; other reasons for bad input, credential_unreadable for a secret)."""
     manifest, ceiling, config = load_inputs(
         inputs.manifest_bytes,
         inputs.manifest_source,
@@ -122,4 +127,19 @@ def compile_inputs(inputs: Inputs) -> Compiled:
         ceiling_path=inputs.ceiling_path,
         config_path=inputs.config_path,
     )
-    return Compiled(compile_policy(manifest, ceiling, config.operator), config)
+    policy = compile_policy(manifest, ceiling, config.operator)
+    check_credentials(policy, config)
+    return Compiled(policy, load_secrets(config))
+
+
+def refuse_forbidden_learning(config: Config) -> None:
+    """Learning mode (`--learn`) where the operator config says `learn: forbid`: ProxyError
+    naming the key, before anything is started."""
+    if config.learn == LEARN_FORBID:
+        where = f" ({config.source})" if config.source else ""
+        raise ProxyError(
+            "learn_forbidden",
+            f"--learn is forbidden by the operator config{where}: its key 'learn' is "
+            f"'{LEARN_FORBID}'",
+            source=config.source,
+        )

@@ -31,6 +31,14 @@ Signals (handled on the event loop):
   keeping the old one, when a nameserver is one of our own listeners). Turning inspection on,
   changing `inspection.mode`, its CA directory or its upstream bundle needs a restart (the
   reload fails and says so); turning it off closes the intercepted connections.
+
+Learning mode (`learn=True`, `run --learn`): every Vetter lets through the refusals only a
+manifest entry could lift (policy/learning.py), audited as `would_deny`; said on stderr at
+start, on `/readyz` (`learn: true`) and in `egress_learn_mode`. It never starts where the
+operator config says `learn: forbid`. A SIGHUP reload whose config says `learn: forbid` stops
+learning for good (fail closed: the session goes on enforcing, and the live connections only
+learning let through are closed), even when the rest of that reload fails; a later
+`learn: allow` does not turn it back on.
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from policy import Policy, PolicyError
 from proxy import __version__
-from proxy.app.inputs import Compiled, Inputs, compile_inputs
+from proxy.app.inputs import Compiled, Inputs, compile_inputs, refuse_forbidden_learning
 from proxy.dataplane.frontdoor import FrontDoor
 from proxy.decide.interception import engine_needed
 from proxy.decide.vetting import Vetter
@@ -60,11 +68,13 @@ from proxy.ops.audit import AuditLog
 from proxy.ops.denials import Denials
 from proxy.ops.metrics import Metrics
 from proxy.ops.readiness import Readiness
-from proxy.settings import Config
+from proxy.settings import LEARN_FORBID, Config
 from proxy.terminal import printable
 
 if TYPE_CHECKING:
+    from proxy.l7.ca import CertificateAuthority
     from proxy.l7.engine import Engine
+    from proxy.l7.trust import TrustFiles
 
 # Upper bound of the SIGTERM drain: live connections get min(this, limits.idle_timeout).
 MAX_DRAIN_SECONDS = 5.0
@@ -84,8 +94,10 @@ class Runtime:
         audit_log: str | None = None,
         err: TextIO | None = None,
         dns_listen: Sequence[Listener] = (),
+        learn: bool = False,
     ) -> None:
         self.inputs = inputs
+        self.learning = learn
         self.compiled = compiled
         self.listen = listen
         self.dns_listen = dns_listen
@@ -100,6 +112,7 @@ class Runtime:
         self.denials = Denials()
         self.readiness = Readiness()
         self.engine: Engine | None = None
+        self.trust: TrustFiles | None = None  # published once the CA is loaded
         self.front: FrontDoor | None = None
         self.dns: DnsServer | None = None
         self.resolver: Resolver | None = None
@@ -143,9 +156,14 @@ class Runtime:
 
     async def run(self) -> int:
         config = self.compiled.config
+        if self.learning:
+            # Before anything is opened or bound: a forbidden learning session never starts.
+            refuse_forbidden_learning(config)
         self._log_handler = self._log_to_stderr()
         self.metrics.set_build_info(__version__, platform.python_version())
         self.readiness.set("policy_compiled", True)
+        self.readiness.learning = self.learning
+        self.metrics.learn_mode(self.learning)
         self.warn_findings(self.compiled.policy)
         resolver = Resolver.from_config(config)
         try:
@@ -164,13 +182,20 @@ class Runtime:
                 # Load it now, with its CA, so any problem stops start-up before anything
                 # listens.
                 ca = self._new_engine().prepare()
+            elif config.trust_dir is not None:
+                # A published trust directory is mounted by the agent before any request:
+                # its files must exist even if nothing is intercepted yet.
+                from proxy.l7.ca import ensure_ca
+
+                ca = ensure_ca(config.ca_dir)
+            trust = self._publish_trust(ca) if ca is not None else None
             self.admin = AdminServer(self.readiness, self.metrics.render, denials=self.denials)
             admin_host, admin_port = await self.admin.start(*self.admin_address)
             dns_bound = await self._start_dns(resolver)
             if self.engine is not None:
                 await self.engine_for_intercept()
             self.front = FrontDoor(
-                Vetter(self.compiled.policy, resolver, self.metrics, self.audit, plane="l4"),
+                self._l4_vetter(resolver),
                 config,
                 self.metrics,
                 self.audit,
@@ -189,18 +214,32 @@ class Runtime:
             # set this condition from their own check.
             self.readiness.set("boundary_verified", True)
             self._install_signals()
+            if self.learning:
+                self.say(_LEARNING)
             self.say(
                 f"listening on {_listening(listeners)} "
                 f"(admin http://{format_listen(admin_host, admin_port)}/readyz /metrics); "
                 f"try: {_try_it(listeners[0])}"
             )
-            if ca is not None:
+            if ca is not None and trust is not None:
                 self.say(ca.trust_hint())
+                self.say(trust.hint())
             await self._stop.wait()
             await self._drain()
             return 0
         finally:
             await self._shutdown()
+
+    def _l4_vetter(self, resolver: Resolver) -> Vetter:
+        """The front door's and the DNS responder's: each its own (a reload swaps both)."""
+        return Vetter(
+            self.compiled.policy,
+            resolver,
+            self.metrics,
+            self.audit,
+            plane="l4",
+            learn=self.learning,
+        )
 
     # -- the DNS listeners ----------------------------------------------------------------------
 
@@ -208,9 +247,8 @@ class Runtime:
         if not self.dns_listen:
             return ()
         limits = self.compiled.config.limits
-        vetter = Vetter(self.compiled.policy, resolver, self.metrics, self.audit, plane="l4")
         self.dns = DnsServer(
-            DnsResponder(vetter, self.metrics),
+            DnsResponder(self._l4_vetter(resolver), self.metrics),
             ServerLimits(header_timeout=limits.header_timeout, idle_timeout=limits.idle_timeout),
         )
         return await self.dns.start(self.dns_listen)
@@ -226,6 +264,7 @@ class Runtime:
         self.engine = Engine(
             self.compiled.policy, self.resolver, self.compiled.config, self.metrics, self.audit
         )
+        self.engine.vetter.learn = self.learning
         return self.engine
 
     async def engine_for_intercept(self) -> Engine:
@@ -238,7 +277,23 @@ class Runtime:
                 engine.set_policy(self.compiled.policy)
                 await engine.start()
                 self.metrics.engine_loaded(True)
+                if self.trust is None and engine.ca is not None:
+                    # The CA was first loaded now: publish it, and say so, as a start does.
+                    try:
+                        trust = self._publish_trust(engine.ca)
+                    except ProxyError as exc:
+                        self.say(f"warning: {exc.message}")
+                    else:
+                        self.say(engine.ca.trust_hint())
+                        self.say(trust.hint())
             return engine
+
+    def _publish_trust(self, ca: CertificateAuthority) -> TrustFiles:
+        """The trust bundle and CA certificate, in `inspection.trust_dir` or beside the CA."""
+        from proxy.l7.trust import publish
+
+        self.trust = publish(ca, self.compiled.config.trust_dir)
+        return self.trust
 
     def _install_signals(self) -> None:
         loop = asyncio.get_running_loop()
@@ -314,6 +369,8 @@ class Runtime:
                 return False
             if self.front is None or self._stop.is_set():
                 return False
+            if self.learning and compiled.config.learn == LEARN_FORBID:
+                self._stop_learning(compiled.config.source)
             old = self.compiled.config
             new = compiled.config
             restart = _needs_restart(old, new)
@@ -342,6 +399,8 @@ class Runtime:
                 closed += self.front.set_policy(compiled.policy)
             if self.engine is not None:
                 closed += self.engine.set_policy(compiled.policy)
+                # Secrets were read again with the config (inputs.compile_inputs): a rotation.
+                self.engine.set_credentials(new.credentials)
             if self.dns is not None:
                 self.dns.set_policy(compiled.policy)
             self.compiled = compiled
@@ -352,6 +411,37 @@ class Runtime:
                 f"{len(closed)} live connection(s) closed"
             )
             return True
+
+    def _stop_learning(self, source: str | None) -> None:
+        """Learning off in every plane, for the rest of the session, and the live connections
+        only learning let through closed (re-decided on the running policy, now without it)."""
+        self.learning = False
+        vetters = [self.front.vetter if self.front is not None else None]
+        vetters += [self.engine.vetter if self.engine is not None else None]
+        vetters += [self.dns.responder.vetter if self.dns is not None else None]
+        for vetter in vetters:
+            if vetter is not None:
+                vetter.learn = False
+        self.readiness.learning = False
+        self.metrics.learn_mode(False)
+        closed: list[str] = []
+        if self.front is not None:
+            closed += self.front.set_policy(self.compiled.policy)
+        if self.engine is not None:
+            closed += self.engine.set_policy(self.compiled.policy)
+        self.say(
+            f"LEARNING STOPPED: the config ({source or 'reloaded'}) now says 'learn: forbid'; "
+            f"the policy is enforced in full from now on ({len(closed)} live connection(s) "
+            "that only learning let through closed)"
+        )
+
+
+_LEARNING = (
+    "LEARNING MODE (--learn): connections the manifest does not allow are LET THROUGH and "
+    "audited as would_deny; address rules, blocked entries, the SNI gate and the operator's "
+    "ports still hold. Not for production: turn the audit log into a manifest with "
+    "'egress-proxy suggest'"
+)
 
 
 class _PrintableFormatter(logging.Formatter):
@@ -421,9 +511,11 @@ def run(
     audit_log: str | None = None,
     err: TextIO | None = None,
     dns_listen: Sequence[Listener] = (),
+    learn: bool = False,
 ) -> int:
     """Serve until SIGTERM/SIGINT; 0 after a clean drain. Raises ProxyError on bind failures.
-    `dns_listen`: the DNS responder's listeners (Listener("dns", host, port)), UDP and TCP."""
+    `dns_listen`: the DNS responder's listeners (Listener("dns", host, port)), UDP and TCP.
+    `learn`: learning mode (ProxyError 'learn_forbidden' where the config forbids it)."""
 
     async def main() -> int:
         runtime = Runtime(
@@ -435,6 +527,7 @@ def run(
             audit_log=audit_log,
             err=err,
             dns_listen=dns_listen,
+            learn=learn,
         )
         if loop_note is not None:
             runtime.say(loop_note)

@@ -28,6 +28,8 @@ from proxy.cli.output import (
 )
 from proxy.cli.run import add_run_parser, cmd_run
 from proxy.cli.sandbox import add_sandbox_parser, cmd_sandbox
+from proxy.cli.suggest import add_suggest_parser, cmd_suggest
+from proxy.cli.trust import add_trust_parser, cmd_trust
 from proxy.terminal import printable
 
 
@@ -45,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_parser(sub)
     add_boundary_parser(sub)
     add_sandbox_parser(sub)
+    add_suggest_parser(sub)
+    add_trust_parser(sub)
     return parser
 
 
@@ -55,6 +59,8 @@ COMMANDS = {
     "run": cmd_run,
     "boundary": cmd_boundary,
     "sandbox": cmd_sandbox,
+    "suggest": cmd_suggest,
+    "trust": cmd_trust,
 }
 
 

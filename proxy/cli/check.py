@@ -23,6 +23,7 @@ from policy.hostnames import normalize_host, parse_ip_literal
 from policy.manifests import FORMATS
 from policy.urls import parse_target
 from proxy.app.config import Config, load_config
+from proxy.app.credentials import credential_findings
 from proxy.app.inputs import load_inputs, read_input, source_name
 from proxy.cli.output import EXIT_FINDINGS, EXIT_OK, MAX_TABLE_ROWS, more, print_json, table
 from proxy.terminal import printable
@@ -108,7 +109,9 @@ def cmd_check(args: argparse.Namespace, out: TextIO) -> int:
     rules: list[dict[str, Any]] = []
     if manifest.ok:
         policy = compile_policy(manifest, ceiling, config.operator)
-        found, rules = policy.findings, policy.rules_json()
+        # A credential for a host the session may not reach is a config mistake run refuses.
+        found = (*policy.findings, *credential_findings(policy, config))
+        rules = policy.rules_json()
     else:
         found = check_manifest(manifest, ceiling, config.operator)
     findings = sorted(found, key=_document_order)

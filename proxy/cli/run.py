@@ -45,6 +45,12 @@ def add_run_parser(sub: Any) -> None:
     )
     run.add_argument("--session-id", metavar="ID", help="session id written on every audit line")
     run.add_argument("--audit-log", metavar="FILE", help="append audit lines here (default stdout)")
+    run.add_argument(
+        "--learn",
+        action="store_true",
+        help="learning mode: let through (audited as would_deny) what only a manifest entry "
+        "would allow, for 'egress-proxy suggest'; refused where the config says 'learn: forbid'",
+    )
 
 
 def cmd_run(args: argparse.Namespace, out: TextIO) -> int:
@@ -71,4 +77,5 @@ def cmd_run(args: argparse.Namespace, out: TextIO) -> int:
         session_id=args.session_id,
         audit_log=args.audit_log,
         dns_listen=dns_listen,
+        learn=args.learn,
     )

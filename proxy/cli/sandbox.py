@@ -64,6 +64,12 @@ def add_sandbox_parser(sub: Any) -> None:
         help="write {outcome, exit_status, command_status, message} as JSON here at the end",
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no line when COMMAND starts")
+    p.add_argument(
+        "--learn",
+        action="store_true",
+        help="the session proxy runs in learning mode (run --learn): what only a manifest "
+        "entry would allow is let through and audited as would_deny",
+    )
     p.add_argument("command_argv", nargs="*", metavar="COMMAND", help="after '--': what to run")
     _command_after_double_dash(p)
 
@@ -138,6 +144,7 @@ def options_from(args: argparse.Namespace, environ: dict[str, str]) -> Options:
         status_file=_absolute(args.status_file),
         quiet=args.quiet,
         command=tuple(command),
+        learn=args.learn,
     )
 
 
@@ -155,12 +162,14 @@ def cmd_sandbox(args: argparse.Namespace, out: TextIO, err: TextIO | None = None
 
     err = err or sys.stderr
     options = options_from(args, dict(os.environ))
-    inputs.compile_inputs(
+    compiled = inputs.compile_inputs(
         inputs.read_inputs(
             options.manifest, ceiling=options.ceiling, config=options.config,
             format=options.format,
         )
     )  # fmt: skip
+    if options.learn:
+        inputs.refuse_forbidden_learning(compiled.config)
     missing = missing_capabilities()
     if missing:
         err.write(
@@ -168,4 +177,4 @@ def cmd_sandbox(args: argparse.Namespace, out: TextIO, err: TextIO | None = None
             "grant them; nothing was created\n"
         )
         return EXIT_PRIVILEGES
-    return Sandbox(options, err).run()
+    return Sandbox(options, err, compiled).run()

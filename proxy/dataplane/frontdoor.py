@@ -69,9 +69,13 @@ class FrontDoor:
 
     def reconfigure(self, config: Config) -> None:
         """A reloaded operator config: what it may change while running applies to later
-        tunnels (`tls.ech`, read by each SNI gate as it runs); the rest of the door's config
-        (limits, inspection) stays as it was at start (see proxy/app/runtime.py)."""
-        self.door.config = dataclasses.replace(self.door.config, tls_ech=config.tls_ech)
+        tunnels (`tls.ech`, read by each SNI gate as it runs) and requests (`credentials`, with
+        their secrets read again: which hosts are intercepted, what plain HTTP carries); the rest
+        of the door's config (limits, inspection) stays as it was at start (see
+        proxy/app/runtime.py)."""
+        self.door.config = dataclasses.replace(
+            self.door.config, tls_ech=config.tls_ech, credentials=config.credentials
+        )
 
     # -- life cycle --------------------------------------------------------------------------
 

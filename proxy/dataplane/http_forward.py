@@ -17,11 +17,13 @@ from proxy.dataplane import tunnel
 from proxy.dataplane.http_messages import forwarded_fields, request_head
 from proxy.dataplane.http_requests import Rejected, Request, destination
 from proxy.dataplane.http_upstream import FAILED, REUSABLE, STALE, SWITCHED, Client, Exchange
+from proxy.decide.credentials import audit_name, inject
 from proxy.net.dialing import UpstreamError, connect_upstream, dial_checked
 from proxy.reasons import Refused, authority
 
 if TYPE_CHECKING:
     from proxy.dataplane.connection import Door
+    from proxy.decide.events import MetricsSink
 
 # Methods a stale pooled connection may be retried for (nothing of them was sent or read).
 _RETRIABLE: Final = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
@@ -62,10 +64,15 @@ async def serve(plane: Plane, request: Request) -> bool:
         url = f"http://{authority(host, port)}{path}"
         vetted = await tunnel.vet(conn, url, port, conn.door.vetter.decide(url), **context)
         name = vetted.decision.host
+        # Allowed: a credential of this host that may go over plain HTTP goes in, here where
+        # the head is rebuilt for the one upstream it is sent to (a checked address of `name`).
+        fields, applied = inject(
+            conn.door.config.credentials, name, forwarded_fields(head.fields), plain_http=True
+        )
         request.upstream_head = request_head(
             head.method,
             path,
-            forwarded_fields(head.fields),
+            fields,
             chunked=request.chunked,
             upgrade=request.websocket,
         )
@@ -74,8 +81,9 @@ async def serve(plane: Plane, request: Request) -> bool:
             if attempt == 0:
                 conn.door.vetter.allowed(
                     conn.peer, conn.protocol, stage="address", vetted=vetted, port=port,
-                    **context,
+                    credential=audit_name(applied), **context,
                 )  # fmt: skip
+                _count(conn.door.metrics, applied)
             outcome = await _exchange(plane, exchange)
             if outcome != STALE:
                 break
@@ -98,6 +106,12 @@ async def serve(plane: Plane, request: Request) -> bool:
     # A body still arriving goes to the finished exchange, which drops it; the next request
     # is parsed after it.
     return not (request.websocket or plane.closing)
+
+
+def _count(metrics: MetricsSink | None, applied: tuple[str, ...]) -> None:
+    if metrics is not None:
+        for name in applied:
+            metrics.credential_injected(name)
 
 
 async def _connect(

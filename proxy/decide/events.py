@@ -8,7 +8,8 @@ the fields that were cut to their cap.
 
 `"ech": true` follows `sni` on the decision and close lines of a tunnel whose ClientHello carried
 ECH or draft ESNI (the SNI may not be the name served); like `truncated`, it is left out
-otherwise, so the lines of the common case stay as they were.
+otherwise, so the lines of the common case stay as they were. So is `"credential": "NAME"`,
+after `message`, on the allow line of a request an operator credential was put into.
 """
 
 from __future__ import annotations
@@ -191,6 +192,7 @@ def _head(kind: str, event: DecisionEvent | CloseEvent, f: _Fields, session: str
 
 
 _ECH = ',"ech":true'
+_CREDENTIAL = ',"credential":'
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +217,9 @@ class DecisionEvent:
     resolved: tuple[str, ...] | None = None
     pinned: tuple[str, ...] | None = None
     message: str | None = None
+    # The operator credential(s) put into this request (their names, never a value): on the
+    # allow line of the request only, and left out otherwise.
+    credential: str | None = None
 
     @classmethod
     def from_policy(cls, result: Decision | AddressDecision, **context: Any) -> DecisionEvent:
@@ -257,6 +262,7 @@ class DecisionEvent:
             f',"resolved":{f.addresses(self.resolved, "resolved")}'
             f',"pinned":{f.addresses(self.pinned, "pinned")}'
             f',"message":{"null" if (v := self.message) is None else f.text(v, "message")}'
+            f"{'' if (v := self.credential) is None else _CREDENTIAL + f.text(v, 'credential')}"
             f"{f.end()}"
         )
 
@@ -325,3 +331,5 @@ class MetricsSink(Protocol):
     def dns_query(self, qtype: str, rcode: str) -> None: ...
 
     def tls_ech(self, decision: str, protocol: str) -> None: ...
+
+    def credential_injected(self, name: str) -> None: ...

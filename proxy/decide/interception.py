@@ -47,15 +47,20 @@ class Interceptor(Protocol):
 
 
 def intercepted(decision: Decision, config: Config) -> bool:
-    """Whether an allowed TLS destination is intercepted: when its rules decide paths, or for
-    every one under `inspection.mode: all`."""
-    return decision.allowed and (decision.needs_inspection or config.inspection_mode == ALL)
+    """Whether an allowed TLS destination is intercepted: when its rules decide paths, for
+    every one under `inspection.mode: all`, and always for a host with a credential (it is put
+    in inside, whatever the manifest's path rules say)."""
+    return decision.allowed and (
+        decision.needs_inspection
+        or config.inspection_mode == ALL
+        or (bool(config.credentials) and any(c.host == decision.host for c in config.credentials))
+    )
 
 
 def engine_needed(policy: Policy, config: Config) -> bool:
     """Whether a session can need the engine at all, so loads it (and its CA) at start: only
-    with inspection enabled, and only when some rule decides paths or every TLS connection is
-    intercepted. Otherwise mitmproxy is never imported."""
+    with inspection enabled, and only when some rule decides paths, every TLS connection is
+    intercepted or a credential is configured. Otherwise mitmproxy is never imported."""
     if not config.operator.inspection_enabled:
         return False
-    return config.inspection_mode == ALL or policy.has_url_rules
+    return config.inspection_mode == ALL or policy.has_url_rules or bool(config.credentials)

@@ -48,6 +48,9 @@ class Resolves(Protocol):
     async def resolve(self, host: str) -> Answer: ...
 
 
+# What a decision line says happened: `would_deny` is a connection let through by learning mode.
+ALLOW, DENY, WOULD_DENY = "allow", "deny", "would_deny"
+
 _SESSION_PREFIX = os.urandom(6).hex()
 _COUNTER = itertools.count(1)
 
@@ -124,7 +127,9 @@ class _Memo:
 
 class Vetter:
     """Decides destinations for one plane (`l4` or `l7`); `policy` and `resolver` are swapped
-    by a reload, and a decision in flight keeps the policy it started with."""
+    by a reload, and a decision in flight keeps the policy it started with. `learn`: learning
+    mode (`run --learn`, Policy.learn): a refusal only a manifest entry could lift is let
+    through and written as `would_deny`; a reload may turn it off, never on."""
 
     def __init__(
         self,
@@ -134,8 +139,10 @@ class Vetter:
         audit: AuditSink | None = None,
         *,
         plane: str,
+        learn: bool = False,
     ) -> None:
         self.policy = policy
+        self.learn = learn
         self.resolver = resolver
         self.metrics = metrics
         self.audit = audit
@@ -162,6 +169,8 @@ class Vetter:
                 if len(decisions) >= MEMO_ENTRIES:
                     decisions.clear()
                 decisions[target] = decision
+        if self.learn and not decision.allowed:
+            decision = policy.learn(decision, target)
         return decision
 
     def _check_addresses(
@@ -225,7 +234,11 @@ class Vetter:
         `vet(..., final=False)`): one line for the whole decision, with what vetting found."""
         if vetted is not None:
             context = {**vetted.context(), "message": _allow_message(vetted), **context}
-        self._own(True, Reason.ALLOWED, peer, protocol, stage, context)
+            if vetted.decision.would_deny:
+                # Let through by learning: the line says what it would have been, and why.
+                self._own(WOULD_DENY, vetted.decision.reason, peer, protocol, stage, context)
+                return
+        self._own(ALLOW, Reason.ALLOWED, peer, protocol, stage, context)
 
     def refusal(
         self,
@@ -244,11 +257,11 @@ class Vetter:
         if vetted is not None:
             context = {**vetted.context(), **context}
         context.update(host=host, port=port, message=refused.message)
-        self._own(False, refused.reason, peer, protocol, stage, context)
+        self._own(DENY, refused.reason, peer, protocol, stage, context)
 
     def _own(
         self,
-        allowed: bool,
+        verdict: str,
         reason: str,
         peer: Peer,
         protocol: str,
@@ -256,10 +269,10 @@ class Vetter:
         context: dict[str, Any],
     ) -> None:
         if self.metrics is not None:
-            self.metrics.decision(allowed, reason, stage, self.plane)
+            self.metrics.decision(verdict, reason, stage, self.plane)
         self.event(
             DecisionEvent(
-                decision="allow" if allowed else "deny",
+                decision=verdict,
                 reason=reason,
                 stage=stage,
                 plane=self.plane,
@@ -358,7 +371,7 @@ class Vetter:
         stage on what was decided, address stage on the checked addresses). A passthrough
         connection cannot be inspected after the fact: it goes when inspection is needed."""
         policy = self.policy
-        decision = policy.decide(target)
+        decision = self.decide(target, policy)  # learning, while it lasts, keeps what it let in
         if not decision.allowed or (decision.needs_inspection and not inspected):
             return False
         if not pinned:

@@ -188,7 +188,9 @@ class DnsResponder:
         except PolicyError as exc:
             return self._refuse(REFUSED, exc.reason, exc.message, peer, question.name, qtype)
         vetter = self.vetter
-        decision = vetter.policy.decide(host)
+        # Through the Vetter: a learning session answers (and audits as would_deny) names it
+        # would refuse, with the same address checks, as its connections are let through.
+        decision = vetter.decide(host)
         if not is_answerable(question.qtype):
             if not decision.allowed:
                 vetter.record(decision, peer, "dns", method=qtype)

@@ -2,14 +2,17 @@
 planes share (`Vetter`: name stage on the request's URL, DNS once, address stage), and the
 answers back into mitmproxy's terms (a response, a refused dial, a killed flow).
 
-- `RequestGate`: every request inside an intercepted connection is decided on its own
-  (`requestheaders`): its Host (and absolute-form authority) must name the connection's host
-  (proxy/l7/rules.py), every upgrade but WebSocket is refused, then the policy decides its path
-  and the checked addresses are kept for the dial. A 101 is accepted only for the WebSocket the
-  request asked for, then relayed as bytes with nothing kept (`tcp_message`). When the upstream
-  failed, `error` leaves our 502/504 for the client (patches.AnsweringHttpLayer sends it).
+- `RequestGate`: every request inside an intercepted connection, HTTP/1.1 or an HTTP/2 stream,
+  is decided on its own (`requestheaders`): its Host (or `:authority`, and an absolute-form
+  authority) must name the connection's host (proxy/l7/rules.py), a CONNECT and every upgrade but
+  WebSocket are refused, then the policy decides its path and the checked addresses are kept for
+  the dial. gRPC bodies are streamed both ways (messages pass as they come, trailers after). A
+  101 is accepted only for the WebSocket the request asked for, then relayed as bytes with
+  nothing kept (`tcp_message`). When the upstream failed, `error` leaves our 502/504 for the
+  client (patches.AnsweringHttpLayer sends it).
 - `Pinning`: `server_connect` allows a dial only to the checked addresses of a decided request
-  (patches.DialingHandler dials them); the upstream's certificate is verified against the name.
+  (patches.DialingHandler dials them); the upstream's certificate is verified against the name,
+  and is offered only the HTTP versions the client offered (h2 only to an h2 client).
   Upstream failures and failed upstream handshakes get their audit lines.
 
 Fail closed (DESIGN 3.7): mitmproxy only logs an exception raised in a hook and carries on, so
@@ -26,12 +29,20 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from mitmproxy import http, tcp
+from mitmproxy.proxy.layers.tls import HTTP1_ALPNS, HTTP2_ALPN
 
 from policy.reasons import Reason
 from proxy.errors import ProxyError
 from proxy.l7.modes import CloseClient
 from proxy.l7.patches import ANSWER
-from proxy.l7.rules import WEBSOCKET, check_request, denial, is_websocket, upgrade_tokens
+from proxy.l7.rules import (
+    WEBSOCKET,
+    check_request,
+    denial,
+    is_grpc,
+    is_websocket,
+    upgrade_tokens,
+)
 from proxy.l7.state import Dial
 from proxy.reasons import Refused, authority, shown
 
@@ -43,6 +54,7 @@ if TYPE_CHECKING:
 
     from proxy.decide.events import MetricsSink
     from proxy.decide.vetting import Vetter
+    from proxy.l7.credentials import CredentialInjector
     from proxy.l7.state import Intercepted, Ledger
 
 logger = logging.getLogger(__name__)
@@ -101,11 +113,22 @@ def _client_of(argument: Any) -> Client | None:
 
 
 def answer(flow: http.HTTPFlow, response: http.Response) -> None:
-    """Answers a request from the proxy. mitmproxy cannot stream a request body and answer the
-    request at once (NotImplementedError in HttpStream.start_request_stream): a request whose
-    body it would stream (above STREAM_THRESHOLD, or chunked, which may grow past it) is killed
-    instead, which closes the client connection. Either way nothing goes upstream."""
+    """Answers a request from the proxy; either way nothing goes upstream.
+
+    A request mitmproxy found invalid (its error set before this hook) gets `response` in place
+    of mitmproxy's error page (patches.AnsweringHttpLayer). An HTTP/2 stream is answered at once,
+    in place of the reset a kill sends, whatever of its body is still to come (a gRPC call that
+    streams its requests is not left waiting); the connection's other streams go on.
+    HTTP/1.1: mitmproxy cannot stream a request body and answer the request at once
+    (NotImplementedError in HttpStream.start_request_stream): a request whose body it would
+    stream (above STREAM_THRESHOLD, or chunked, which may grow past it) is killed instead, which
+    closes the client connection."""
     request = flow.request
+    if flow.error is not None or request.is_http2:
+        flow.metadata[ANSWER] = response
+        if flow.error is None:
+            flow.kill()
+        return
     length = request.headers.get("content-length", "")
     chunked = "chunked" in request.headers.get("transfer-encoding", "").lower()
     # Only ASCII digits of a sane length are a length; anything else may be streamed, so large.
@@ -166,7 +189,16 @@ def _deny_request(addon: _Hooks, flow: http.HTTPFlow) -> None:
         if connection
         else ("proxy", None)
     )
-    answer(flow, denial(Refused(403, Reason.INTERNAL_ERROR, "internal error"), host, port))
+    refused = Refused(403, Reason.INTERNAL_ERROR, "internal error")
+    answer(flow, denial(refused, host, port, flow.request))
+
+
+def _invalid(flow: http.HTTPFlow) -> Refused | None:
+    """mitmproxy found the request invalid (HttpStream.check_invalid: a scheme it does not
+    serve, smuggling-prone headers) and runs this hook before it answers: refused as such."""
+    if flow.error is None:
+        return None
+    return Refused(400, Reason.INVALID_REQUEST, f"invalid request: {shown(flow.error.msg)}")
 
 
 def _kill(addon: _Hooks, flow: http.HTTPFlow | tcp.TCPFlow) -> None:
@@ -191,6 +223,12 @@ class RequestGate(_Hooks):
 
     name = "egress-requests"
 
+    def __init__(
+        self, vetter: Vetter, ledger: Ledger, credentials: CredentialInjector | None = None
+    ) -> None:
+        super().__init__(vetter, ledger)
+        self.credentials = credentials  # proxy/l7/credentials.py
+
     @fail_closed(_deny_request)
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
         connection = self.connection(flow.client_conn)
@@ -205,26 +243,46 @@ class RequestGate(_Hooks):
         }
         target = f"https://{authority(destination.host, destination.port)}{request.path}"
         try:
-            refused = check_request(request, destination)
+            refused = check_request(request, destination) or _invalid(flow)
             if refused is not None:
-                stage = "request" if refused.reason == Reason.UPGRADE_REFUSED else "host"
+                stage = "host" if refused.reason == Reason.HOST_MISMATCH else "request"
                 self.refusal(connection, refused, stage=stage, **context)
                 raise refused
             vetted = await self.vetter.vet(
-                target, destination.port, destination.peer, HTTPS, inspecting=True, **context
-            )
+                target, destination.port, destination.peer, HTTPS, inspecting=True,
+                final=False, **context,
+            )  # fmt: skip
         except Refused as refused:
-            answer(flow, denial(refused, destination.host, destination.port))
+            answer(flow, denial(refused, destination.host, destination.port, request))
             return
+        # Allowed (never merely let through by learning): the host's credential goes in now,
+        # and the request's one allow line names it.
+        credential = None
+        if self.credentials is not None and not vetted.decision.would_deny:
+            credential = self.credentials.apply(request, destination.host)
+        self.vetter.allowed(
+            destination.peer, HTTPS, stage="address", vetted=vetted, port=destination.port,
+            credential=credential, **context,
+        )  # fmt: skip
         connection.vetted[(destination.host, destination.port)] = vetted.pinned
         connection.pinned = vetted.pinned
         if is_websocket(request):
             flow.metadata[_UPGRADE_URL] = target
+        if is_grpc(request):
+            # A streaming call's messages must pass as they come: buffered, a bidi call would
+            # wait for the end of a body that waits for its answers.
+            request.stream = True
 
     @fail_closed(_kill)
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         response = flow.response
-        if response is None or response.status_code != 101:
+        if response is None:
+            return
+        if response.status_code != 101:
+            if is_grpc(flow.request):
+                # A server-streaming call's messages reach the client as they come, then the
+                # trailers (grpc-status), which mitmproxy sends after a streamed body.
+                response.stream = True
             return
         connection = self.connection(flow.client_conn)
         upgraded = flow.metadata.get(_UPGRADE_URL)
@@ -274,7 +332,7 @@ class RequestGate(_Hooks):
         )
         refused = Refused(status, reason, message, error=status != 403)
         destination = connection.destination
-        flow.metadata[ANSWER] = denial(refused, destination.host, destination.port)
+        flow.metadata[ANSWER] = denial(refused, destination.host, destination.port, flow.request)
 
 
 class Pinning(_Hooks):
@@ -293,6 +351,21 @@ class Pinning(_Hooks):
         super().__init__(vetter, ledger)
         self.connect_timeout = connect_timeout
         self.metrics = metrics
+
+    @fail_closed(_end_connection)
+    def tls_start_server(self, data: TlsData) -> None:
+        """mitmproxy offers an upstream every protocol the client offered (TlsConfig, which runs
+        after us and keeps offers set here). An upstream that chose one it cannot speak
+        (`grpc-exp`, `acme-tls/1`) would be spoken HTTP/1.1 to; and h2 offered for a client on
+        HTTP/1.1 would turn each request into another version. So: the client's HTTP offers in
+        its order, h2 only when the client itself speaks h2; the upstream then picks h2 or
+        HTTP/1.1."""
+        client = data.context.client
+        if data.conn.alpn_offers or not client.alpn_offers:
+            return  # no ALPN from the client: none upstream either (TlsConfig mirrors that)
+        speaks = (*HTTP1_ALPNS, HTTP2_ALPN) if client.alpn == HTTP2_ALPN else HTTP1_ALPNS
+        offers = tuple(alpn for alpn in client.alpn_offers if alpn in speaks)
+        data.conn.alpn_offers = offers or (b"http/1.1",)
 
     @fail_closed(_refuse_dial)
     def server_connect(self, data: ServerConnectionHookData) -> None:
@@ -342,6 +415,20 @@ class Pinning(_Hooks):
         self.refusal(
             connection, Refused(502, Reason.UPSTREAM_TLS, message, error=True), stage="upstream"
         )
+
+    @fail_closed(_end_connection)
+    def tls_established_client(self, data: TlsData) -> None:
+        """mitmproxy lets the client pick any HTTP version by ALPN, h3 among them, and would
+        then speak HTTP/3 over this TCP connection, where no request ever completes: such a
+        connection is ended at once, its line saying why."""
+        alpn = data.conn.alpn
+        if not alpn or alpn in (HTTP2_ALPN, *HTTP1_ALPNS):
+            return
+        connection = self.connection(data.context.client)
+        message = f"ALPN {shown(alpn.decode('latin-1'))!r} is not spoken inside interception"
+        refused = Refused(403, Reason.INSPECTION_UNSUPPORTED, message)
+        self.refusal(connection, refused, stage="request")
+        connection.end(Reason.INSPECTION_UNSUPPORTED)
 
     @fail_closed(_end_connection)
     def tls_failed_client(self, data: TlsData) -> None:

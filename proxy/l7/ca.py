@@ -2,7 +2,7 @@
 loaded (and checked) on every later one, before anything listens.
 
     ca = ensure_ca("~/.local/share/egress-proxy/ca")
-    ca.cert_path     # what a session adds to its trust store
+    ca.cert_path     # the certificate (proxy/l7/trust.py publishes it with the system's roots)
 
 The files are mitmproxy's (its TlsConfig addon loads them from the same directory under the
 basename `mitmproxy`), so the engine and this module cannot disagree about which CA signs.
@@ -43,14 +43,9 @@ class CertificateAuthority:
         return self.directory / f"{BASENAME}-ca-cert.pem"
 
     def trust_hint(self) -> str:
-        """How a session trusts this CA, for the start-up message."""
-        cert = self.cert_path
-        return (
-            f"TLS inspection CA {cert} ({'created now' if self.created else 'existing'}); "
-            f"a session trusts it with: curl --cacert {cert}, NODE_EXTRA_CA_CERTS={cert}, "
-            f"or by adding it to the system store (cp {cert} "
-            "/usr/local/share/ca-certificates/egress-proxy.crt && update-ca-certificates)"
-        )
+        """The CA's line of the start-up message (how to trust it: proxy/l7/trust.py)."""
+        state = "created now" if self.created else "existing"
+        return f"TLS inspection CA {self.cert_path} ({state}; its key stays in {self.directory})"
 
 
 def _fail(directory: Path, why: str) -> ProxyError:

@@ -12,12 +12,14 @@ door hands it, each from the TLS layer on with its destination decided.
 The engine listens on nothing. A connection reaches it only through `intercept`, after the
 front door decided its name, vetted its addresses, passed its SNI gate and answered the
 client's proxy protocol (a CONNECT's 200, a SOCKS5 reply; nothing on a transparent listener).
-Then (DESIGN 3): our CA's certificate to the client (proxy/l7/ca.py); each request inside decided
-on its own, its Host naming the connection's host (the SNI's), every upgrade but WebSocket
-refused (proxy/l7/addons.py, rules.py); the dial pinned to checked addresses, with the connect
-timeout and fallback in answer order (proxy/l7/patches.py); the upstream verified against the
-name (`inspection.upstream_ca`, or certifi's bundle), 502 upstream_tls otherwise. The engine
-writes each connection's close line (plane l7; bytes as the client sent and received them).
+Then (DESIGN 3): our CA's certificate to the client (proxy/l7/ca.py); HTTP/1.1 inside, or HTTP/2
+to a client that offers it (ALPN h2); each request (each HTTP/2 stream) decided on its own, its
+Host or :authority naming the connection's host (the SNI's), a CONNECT and every upgrade but
+WebSocket refused (proxy/l7/addons.py, rules.py); the dial pinned to checked addresses, with the
+connect timeout and fallback in answer order (proxy/l7/patches.py); the upstream verified
+against the name (`inspection.upstream_ca`, or certifi's bundle), 502 upstream_tls otherwise.
+The engine writes each connection's close line (plane l7; bytes as the client sent and
+received them).
 
 mitmproxy keeps process-global state (`mitmproxy.ctx.master`): one engine runs per process.
 """
@@ -30,6 +32,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from mitmproxy import options
@@ -43,6 +46,7 @@ from proxy.errors import ProxyError
 from proxy.l7 import patches
 from proxy.l7.addons import STREAM_LARGE_BODIES, Pinning, RequestGate
 from proxy.l7.ca import CertificateAuthority, check_upstream_ca, ensure_ca
+from proxy.l7.credentials import CredentialInjector
 from proxy.l7.modes import InterceptInstance, InterceptMode
 from proxy.l7.state import Bytes, Intercepted, Ledger
 from proxy.reasons import Refused
@@ -52,7 +56,7 @@ if TYPE_CHECKING:
     from proxy.decide.events import AuditSink, MetricsSink
     from proxy.decide.interception import Destination
     from proxy.decide.vetting import Resolves
-    from proxy.settings import Config
+    from proxy.settings import Config, Credential
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +105,8 @@ class Engine:
         # Decisions, with their metrics and audit lines, are the shared code of both planes.
         self.vetter = Vetter(policy, resolver, metrics, audit, plane="l7")
         self.ledger = Ledger()
+        # Operator credentials, put into allowed requests to their hosts (RequestGate).
+        self.credentials = CredentialInjector(config.credentials, metrics)
         self.master: Master | None = None
         self.ca: CertificateAuthority | None = None
         self._instance: InterceptInstance | None = None
@@ -153,6 +159,10 @@ class Engine:
             targets.append(connection.upgraded)
         return all(self.vetter.still_allowed(target, pinned, True) for target in targets)
 
+    def set_credentials(self, credentials: Sequence[Credential]) -> None:
+        """Later requests get these credentials (a reload: rotated secrets, changed entries)."""
+        self.credentials.set_credentials(credentials)
+
     def set_resolver(self, resolver: Resolves) -> None:
         """Later requests resolve with `resolver` (a reload with a new DNS configuration)."""
         self.vetter.resolver = resolver
@@ -183,7 +193,7 @@ class Engine:
         # Our hooks run before mitmproxy's. No Block, Onboarding, NextLayer or DnsResolver addon:
         # no global block page, no mitm.it, no layer chosen by mitmproxy, no name resolution.
         master.addons.add(
-            RequestGate(self.vetter, self.ledger),
+            RequestGate(self.vetter, self.ledger, self.credentials),
             Pinning(
                 self.vetter,
                 self.ledger,
@@ -208,8 +218,9 @@ class Engine:
             websocket=False,
             rawtcp=True,
             http3=False,
-            # HTTP/1.1 inside: every request carries the Host header checked against the SNI.
-            http2=False,
+            # HTTP/2 to clients that offer it (ALPN h2), each stream a request decided on its own
+            # (its :authority checked against the SNI); upstream offers: Pinning.tls_start_server.
+            http2=True,
         )
         return master
 

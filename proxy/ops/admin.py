@@ -396,9 +396,8 @@ class AdminServer:
             return _Response(200, b"ok\n")
         if path == "/readyz":
             ok, unmet = self._readiness.ready()
-            if ok:
-                return _Response(200, b"ready\n")
-            return _Response(503, ("\n".join(unmet) + "\n").encode())
+            lines = (["ready"] if ok else unmet) + self._readiness.notes()
+            return _Response(200 if ok else 503, ("\n".join(lines) + "\n").encode())
         if path == "/denials":
             return self._denials_response(query)
         return self._metrics_response()

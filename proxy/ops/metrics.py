@@ -41,7 +41,8 @@ _CODE = re.compile(r"[a-z][a-z0-9_]{0,63}")
 # codes added later while still capping the series a bug that leaks input into a label can create.
 MAX_LABEL_VALUES = 128
 PLANES = frozenset({"l4", "l7"})
-DECISIONS = frozenset({"allow", "deny"})
+# `would_deny`: a connection learning mode (`run --learn`) let through.
+DECISIONS = frozenset({"allow", "deny", "would_deny"})
 DIRECTIONS = ("up", "down")
 # The DNS responder's query types and answer codes worth a series of their own; any other type
 # is `other` (the type is the client's choice: 65536 values).
@@ -196,6 +197,18 @@ _TLS_ECH = _Spec(
     ("decision", "protocol"),
 )
 _AUDIT_ERRORS = _Spec("audit_write_errors", "Audit log lines that could not be written.")
+_CREDENTIALS = _Spec(
+    "credential_injections",
+    "Requests an operator credential was put into, by the credential's name (credentials[].name "
+    "in the operator config; never its value).",
+    ("credential",),
+)
+_WOULD_DENY = _Spec(
+    "would_deny",
+    "Connections and requests learning mode (run --learn) let through that the policy would "
+    "refuse, by reason code.",
+    ("reason",),
+)
 _LABEL_SETS = 1024
 _COUNTERS = (
     _DECISIONS,
@@ -205,6 +218,8 @@ _COUNTERS = (
     _DNS_QUERIES,
     _TLS_ECH,
     _AUDIT_ERRORS,
+    _CREDENTIALS,
+    _WOULD_DENY,
 )
 _HISTOGRAMS = (_DNS_LOOKUP, _UPSTREAM_CONNECT, _DURATION)
 
@@ -225,6 +240,7 @@ class Metrics:
         self._qtype = _LabelGuard(DNS_QTYPES)
         self._rcode = _LabelGuard(DNS_RCODES)
         self._tunnel_protocol = _LabelGuard(TUNNEL_PROTOCOLS)
+        self._credential = _LabelGuard()  # names are code-shaped (proxy/app/credentials.py)
         self._counters: dict[_Spec, dict[tuple[str, ...], float]] = {s: {} for s in _COUNTERS}
         self._histograms: dict[_Spec, dict[tuple[str, ...], _Histogram]] = {
             s: {} for s in _HISTOGRAMS
@@ -233,6 +249,7 @@ class Metrics:
         # The guarded labels of each decision asked for, so a repeat costs one lookup.
         self._decision_labels: dict[tuple[Any, ...], tuple[str, ...]] = {}
         self._engine = 0
+        self._learn = 0
         self._reload_success_time: float | None = None
         self._build: tuple[str, str] | None = None
         # Series that exist from the start, so rate() and alerts see a 0 instead of no data.
@@ -244,7 +261,7 @@ class Metrics:
             self._counters[_RELOADS][(result,)] = 0.0
         self._counters[_AUDIT_ERRORS][()] = 0.0
         # Every series of this small closed set: an alert on ech_refused tunnels sees a 0.
-        for decision in sorted(DECISIONS):
+        for decision in ("allow", "deny"):
             for protocol in sorted(TUNNEL_PROTOCOLS):
                 self._counters[_TLS_ECH][(decision, protocol)] = 0.0
 
@@ -289,6 +306,8 @@ class Metrics:
                 self._decision_labels.clear()  # its keys can come from clients: bounded
             self._decision_labels[key] = labels
         self._add(_DECISIONS, labels)
+        if decision == "would_deny":
+            self._add(_WOULD_DENY, (labels[1],))
 
     def record(self, decision: Decision | AddressDecision, plane: str = "l7") -> None:
         """A policy `Decision` or `AddressDecision` as it came out of the policy core."""
@@ -318,6 +337,10 @@ class Metrics:
     def engine_loaded(self, loaded: bool) -> None:
         self._engine = 1 if loaded else 0
 
+    def learn_mode(self, learning: bool) -> None:
+        """Whether learning mode lets refusals through (`egress_learn_mode`)."""
+        self._learn = 1 if learning else 0
+
     def reload(self, ok: bool) -> None:
         self._add(_RELOADS, ("success" if ok else "failure",))
         if ok:
@@ -332,6 +355,10 @@ class Metrics:
         """One tunnel whose ClientHello carried ECH or ESNI, with its decision ("allow" or
         "deny") and protocol (`connect`, `socks5`, `tls`)."""
         self._add(_TLS_ECH, (self._decision(decision), self._tunnel_protocol(protocol)))
+
+    def credential_injected(self, name: str) -> None:
+        """One request an operator credential was put into, by the credential's name."""
+        self._add(_CREDENTIALS, (self._credential(name),))
 
     def audit_write_error(self) -> None:
         self._add(_AUDIT_ERRORS, ())
@@ -384,6 +411,11 @@ class Metrics:
             f"{PREFIX}engine_loaded",
             "1 once the interception engine (mitmproxy) is loaded.",
             value=self._engine,
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}learn_mode",
+            "1 while learning mode (run --learn) lets through what the policy would refuse.",
+            value=self._learn,
         )
         reloaded = GaugeMetricFamily(
             f"{PREFIX}last_reload_success_timestamp_seconds",

@@ -38,6 +38,9 @@ class Readiness:
     def __init__(self) -> None:
         self._values: dict[str, bool] = {name: False for name in CONDITIONS}
         self._details: dict[str, str] = {name: "" for name in CONDITIONS}
+        # Learning mode (`run --learn`) does not change readiness, but must never go unseen:
+        # `/readyz` says `learn: true` while it lasts.
+        self.learning = False
 
     def set(self, name: str, ok: bool, detail: str = "") -> None:
         if name not in self._values:
@@ -49,6 +52,10 @@ class Readiness:
 
     def get(self, name: str) -> bool:
         return self._values[name]
+
+    def notes(self) -> list[str]:
+        """Lines `/readyz` adds after its answer, ready or not: the modes a session runs in."""
+        return ["learn: true"] if self.learning else []
 
     def ready(self) -> tuple[bool, list[str]]:
         """(True, []) when every condition holds, else (False, one line per unmet condition)."""

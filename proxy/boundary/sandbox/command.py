@@ -8,6 +8,7 @@ import contextlib
 import os
 import signal
 import subprocess
+from collections.abc import Sequence
 
 from proxy.boundary.sandbox.children import (
     PROXY_VARIABLES,
@@ -17,6 +18,7 @@ from proxy.boundary.sandbox.children import (
 from proxy.boundary.sandbox.options import RunAs
 from proxy.boundary.sandbox.outcome import ActivationRefused
 from proxy.boundary.sandbox.preflight import Tools
+from proxy.settings import Credential
 
 # COMMAND gets this long after SIGTERM (when the proxy died, or at teardown) before SIGKILL.
 TERM_GRACE = 3.0
@@ -37,9 +39,21 @@ def command_argv(tools: Tools, netns: str, run_as: RunAs, command: tuple[str, ..
     return argv + list(command)
 
 
-def command_env(proxy_url: str, netns: str, run_as: RunAs) -> dict[str, str]:
-    env = without_proxy_variables(os.environ)
+def command_env(
+    proxy_url: str,
+    netns: str,
+    run_as: RunAs,
+    *,
+    trust: dict[str, str] | None = None,
+    credentials: Sequence[Credential] = (),
+) -> dict[str, str]:
+    """`trust`: the trust variables (proxy/l7/trust.py), which replace any the caller had.
+    `credentials`: the operator's (proxy/app/credentials.py); each one's `env` is set to its
+    placeholder, and no secret reaches COMMAND (see `without_secrets`)."""
+    env = without_secrets(without_proxy_variables(os.environ), credentials)
+    env.update({c.env: c.placeholder for c in credentials if c.env and c.placeholder})
     env.update(dict.fromkeys(PROXY_VARIABLES, proxy_url))
+    env.update(trust or {})
     env["NO_PROXY"] = env["no_proxy"] = ""
     env["EGRESS_PROXY_SANDBOX"] = netns
     if not run_as.is_root:
@@ -51,6 +65,20 @@ def command_env(proxy_url: str, netns: str, run_as: RunAs) -> dict[str, str]:
         if run_as.home:
             env["HOME"] = run_as.home
     return env
+
+
+def without_secrets(env: dict[str, str], credentials: Sequence[Credential]) -> dict[str, str]:
+    """`env` without the variables credentials are read from (`value_env`), nor any variable
+    whose value holds a secret (the operator's shell may have exported it under another name):
+    the placeholder is all COMMAND may know."""
+    drop = {c.value_env for c in credentials if c.value_env}
+    secrets = [c.secret.reveal() for c in credentials if c.secret is not None]
+    return {
+        name: value
+        for name, value in env.items()
+        if name not in drop
+        and not any(secret in value.encode("utf-8", "surrogateescape") for secret in secrets)
+    }
 
 
 def start_command(argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:

@@ -4,7 +4,8 @@ sandbox itself (proxy/boundary/sandbox/session.py: namespaces, nftables, process
 only when it runs.
 
     egress-proxy sandbox MANIFEST [--ceiling F] [--config F] [--user NAME|UID[:GID]]
-        [--subnet4 CIDR] [--subnet6 CIDR] [--audit-log F] [--status-file F] -- COMMAND [ARGS...]
+        [--subnet4 CIDR] [--subnet6 CIDR] [--audit-log F] [--status-file F] [--learn]
+        -- COMMAND [ARGS...]
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class Options:
     status_file: str | None
     quiet: bool
     command: tuple[str, ...]
+    learn: bool = False  # the session proxy runs with --learn
 
 
 def usage_error(message: str) -> PolicyError:

@@ -21,7 +21,9 @@ Activation, in order; any failure tears down what exists and COMMAND never runs:
    refused; ICMP echo to the host side, sent as root (an unprivileged user usually cannot send
    ICMP at all), must get no reply. The observers must have seen nothing;
 7. COMMAND (command.py), inside the namespace, as its user (`setpriv`, no new privileges, no
-   supplementary groups), with HTTP(S)_PROXY pointing at the explicit listener.
+   supplementary groups), with HTTP(S)_PROXY pointing at the explicit listener and, with
+   inspection enabled, the trust variables pointing at the session's bundle (trust.py, written
+   before the proxy starts).
 
 Then: COMMAND's exit ends the session with COMMAND's status; the proxy exiting while COMMAND runs
 stops COMMAND (fail closed) and ends it with EXIT_PROXY_DIED (outcome.py). SIGINT, SIGTERM,
@@ -46,7 +48,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from proxy.boundary.nft.load import apply_ruleset, remove_table
 from proxy.boundary.nft.sandbox import sandbox_ruleset
@@ -68,8 +70,13 @@ from proxy.boundary.sandbox.outcome import (
     interrupted,
 )
 from proxy.boundary.sandbox.preflight import Tools, find_tools
+from proxy.boundary.sandbox.trust import publish_session_trust, trust_message
 from proxy.errors import ProxyError
 from proxy.terminal import printable
+
+if TYPE_CHECKING:
+    from proxy.app.inputs import Compiled
+    from proxy.l7.trust import TrustFiles
 
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
@@ -77,9 +84,11 @@ _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 class Sandbox:
     """One session: set up, run COMMAND, tear down. Use `run()` once."""
 
-    def __init__(self, options: Options, err: TextIO) -> None:
+    def __init__(self, options: Options, err: TextIO, compiled: Compiled) -> None:
         self.options = options
         self.err = err
+        self.compiled = compiled  # the policy and operator config, as compiled at preflight
+        self.trust: TrustFiles | None = None
         self.tools: Tools | None = None
         self.names: SessionNames | None = None
         self.plan: AddressPlan | None = None
@@ -220,6 +229,8 @@ class Sandbox:
         sandbox_net.bring_up(ip, names, self.plan)
         self._check_interrupted()
 
+        self._made.add("trust")
+        self.trust = publish_session_trust(self.compiled.policy, self.compiled.config, names.suffix)
         self._start_proxy()
         self._wait_ready()
         self.canary_count = run_canary(self.tools, names, self.plan, options.run_as)
@@ -273,15 +284,27 @@ class Sandbox:
                 f"probes held); namespace {names.netns}, proxy {proxy_url} (pid {proxy_pid}); "
                 f"running {options.command[0]} as {run_as}"
             )
+        if self.trust is not None and not options.quiet:
+            self.say(trust_message(self.trust))
+        if options.learn:
+            # Said whatever --quiet says: a session that lets refusals through is never silent.
+            self.say(
+                "LEARNING MODE: the proxy lets through (and audits as would_deny) connections "
+                "the manifest does not allow; this session is not enforcing the manifest"
+            )
         if run_as.is_root:
             self.say(
                 "warning: COMMAND runs as root, which can leave a network namespace (setns into "
                 "the host's): it is not contained"
             )
         self._made.add("command")
+        trust = self.trust.environment() if self.trust else {}
+        credentials = self.compiled.config.credentials  # placeholders only, never a secret
         self.command = commands.start_command(
             commands.command_argv(self.tools, names.netns, run_as, options.command),
-            commands.command_env(proxy_url, names.netns, run_as),
+            commands.command_env(
+                proxy_url, names.netns, run_as, trust=trust, credentials=credentials
+            ),
         )
         return self._supervise()
 
@@ -380,6 +403,12 @@ class Sandbox:
             step(f"removing {names.etc_dir}", lambda: sandbox_net.remove_resolv_conf(names))
         if workdir is not None:
             step("removing the work directory", lambda: shutil.rmtree(workdir, ignore_errors=True))
+        trust = self.trust
+        if trust is not None and "trust" in self._made:
+            step(
+                "removing the trust directory",
+                lambda: shutil.rmtree(trust.directory, ignore_errors=True),
+            )
         self._made.clear()
         return problems
 

@@ -101,6 +101,8 @@ def proxy_command(
     ]  # fmt: skip
     if options.audit_log:
         command += ["--audit-log", options.audit_log]
+    if options.learn:
+        command.append("--learn")
     return command
 
 
