@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import requests
 import trustme
 from dns_server import DNSServer
 from running import RunningProxy, curl, make_config, metric_value, wait_for
@@ -267,6 +268,37 @@ def test_without_a_placeholder_every_request_gets_the_header(
         assert api.values("x-api-key") == [[secret], [secret]]
         wait_for(lambda: len(credential_lines(proxy)) >= 2, what="the request lines")
         assert [c for _, _, c in credential_lines(proxy)] == ["api", "api"]
+        assert_nowhere(secret, everything_written(proxy, tmp_path))
+
+
+def test_requests_trusting_the_published_bundle_gets_the_credential_and_never_sees_it(
+    names: DNSServer, tmp_path: Path, upstream_ca: trustme.CA
+) -> None:
+    """Python's requests, as an agent configured by the variables `run` prints: its trust is
+    the bundle the proxy published (REQUESTS_CA_BUNDLE), its token the placeholder."""
+    secret = f"tok-{uuid.uuid4().hex}"
+    token = secret_file(tmp_path, secret)
+    config = config_text(names, tmp_path, upstream_ca, credential(source=f"value_file: {token}"))
+    with (
+        recording_upstream(tls_context(upstream_ca, "api.test")) as (port, api),
+        RunningProxy(tmp_path / "run", MANIFEST, config=config, dns=names) as proxy,
+    ):
+        bundle = tmp_path / "ca" / "trust-bundle.pem"
+        assert f"REQUESTS_CA_BUNDLE={bundle}" in proxy.stderr()
+        with requests.Session() as session:
+            session.trust_env = False  # nothing of this machine's environment
+            response = session.get(
+                f"https://api.test:{port}/repos",
+                headers={"Authorization": f"Bearer {PLACEHOLDER}"},
+                proxies={"https": proxy.url},
+                verify=str(bundle),
+                timeout=10,
+            )
+        assert (response.status_code, response.content) == (200, OK)
+        assert secret not in str(response.headers) and secret not in response.text
+        assert api.values("authorization") == [[f"Bearer {secret}"]]
+        wait_for(lambda: len(credential_lines(proxy)) >= 1, what="the request line")
+        assert credential_lines(proxy) == [("allow", "/repos", "api")]
         assert_nowhere(secret, everything_written(proxy, tmp_path))
 
 

@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import trustme
 from dns import message as dnsmessage
 from dns import query as dnsquery
 from dns import rcode as dnsrcode
@@ -32,6 +33,7 @@ from running import (
     wait_for,
 )
 from test_clients import TLS_BODY, TLSUpstream, tls_upstream
+from test_credentials import recording_upstream, tls_context
 
 from policy import OperatorRules, Reason, compile_policy, load_ceiling, load_manifest
 from policy.learning import LEARNABLE
@@ -340,3 +342,32 @@ def test_sandbox_learn_reaches_its_proxy_and_learn_forbid_stops_it_first(
     code = main(["sandbox", str(manifest), "--config", str(config), "--learn", "--", "true"])
     err = capsys.readouterr().err
     assert code == 2 and "learn" in err and "forbid" in err and "CAP_NET_ADMIN" not in err
+
+
+def test_inside_interception_a_path_outside_the_prefixes_is_learned_and_blocks_still_hold(
+    tmp_path: Path, names: DNSServer
+) -> None:
+    """HTTPS through the interception engine: each request inside is decided (and learned) on
+    its own path; a blocked prefix under the same host is still refused."""
+    ca = trustme.CA()
+    upstream_ca = tmp_path / "upstream-ca.pem"
+    ca.cert_pem.write_to_path(str(upstream_ca))
+    with recording_upstream(tls_context(ca, "paths.test")) as (port, seen):
+        extra = f"inspection:\n  ca_dir: {tmp_path / 'ca'}\n  upstream_ca: {upstream_ca}\n"
+        with learning_proxy(tmp_path / "p", toml(port), names, extra=extra) as proxy:
+            trust = tmp_path / "client.pem"  # what the session trusts: our CA
+            trust.write_bytes((tmp_path / "ca" / "session-ca.pem").read_bytes())
+            inside = curl(proxy.port, f"https://paths.test:{port}/other/x", "--cacert", str(trust))
+            assert inside.status == 200, inside
+            allowed = curl(proxy.port, f"https://paths.test:{port}/api/x", "--cacert", str(trust))
+            assert allowed.status == 200, allowed
+            admin = curl(
+                proxy.port, f"https://paths.test:{port}/api/admin/x", "--cacert", str(trust)
+            )
+            assert admin.status == 403 and admin.headers["x-egress-denied"] == "blocked"
+            wait_for(lambda: len(would_deny_lines(proxy, "paths.test")) >= 1, what="the line")
+            (learned,) = would_deny_lines(proxy, "paths.test")
+            assert learned["plane"] == "l7" and learned["protocol"] == "https"
+            assert (learned["reason"], learned["path"]) == ("path_not_allowed", "/other/x")
+    # Only the two requests the session let through reached the upstream.
+    assert [line.split()[1] for line, _ in seen.heads] == ["/other/x", "/api/x"]
