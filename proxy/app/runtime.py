@@ -54,7 +54,9 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from policy import Policy, PolicyError
 from proxy import __version__
+from proxy.app.checks import needs_restart, refuse_own_nameservers
 from proxy.app.inputs import Compiled, Inputs, compile_inputs, refuse_forbidden_learning
+from proxy.app.messages import LEARNING, PrintableFormatter, listening, try_it
 from proxy.dataplane.frontdoor import FrontDoor
 from proxy.decide.interception import engine_needed
 from proxy.decide.vetting import Vetter
@@ -62,13 +64,13 @@ from proxy.dns.answers import DnsResponder
 from proxy.dns.server import DnsServer, ServerLimits
 from proxy.errors import ProxyError
 from proxy.net.resolver import Resolver
-from proxy.netaddr import Listener, format_listen, own_listener
+from proxy.netaddr import Listener, format_listen
 from proxy.ops.admin import AdminServer
 from proxy.ops.audit import AuditLog
 from proxy.ops.denials import Denials
 from proxy.ops.metrics import Metrics
 from proxy.ops.readiness import Readiness
-from proxy.settings import LEARN_FORBID, Config
+from proxy.settings import LEARN_FORBID
 from proxy.terminal import printable
 
 if TYPE_CHECKING:
@@ -139,7 +141,7 @@ class Runtime:
         addon here prints."""
         handler = logging.StreamHandler(self._err or sys.stderr)
         handler.setFormatter(
-            _PrintableFormatter("egress-proxy: %(levelname)s %(name)s: %(message)s")
+            PrintableFormatter("egress-proxy: %(levelname)s %(name)s: %(message)s")
         )
         handler.setLevel(logging.WARNING)
         logger = logging.getLogger("proxy")
@@ -207,7 +209,7 @@ class Runtime:
             # The admin and DNS listeners are never a destination either (a tunnel or a request
             # to /metrics through the proxy itself); the DNS ones listen on TCP too.
             self.front.claim(self._own)
-            _refuse_own_nameservers(resolver, self._own)
+            refuse_own_nameservers(resolver, self._own)
             self.readiness.set("listeners_bound", True)
             # Set here because nothing in this process can verify the sandbox boundary (that the
             # agent cannot bypass this proxy); the sandbox shapes (issue 5) verify it and will
@@ -215,11 +217,11 @@ class Runtime:
             self.readiness.set("boundary_verified", True)
             self._install_signals()
             if self.learning:
-                self.say(_LEARNING)
+                self.say(LEARNING)
             self.say(
-                f"listening on {_listening(listeners)} "
+                f"listening on {listening(listeners)} "
                 f"(admin http://{format_listen(admin_host, admin_port)}/readyz /metrics); "
-                f"try: {_try_it(listeners[0])}"
+                f"try: {try_it(listeners[0])}"
             )
             if ca is not None and trust is not None:
                 self.say(ca.trust_hint())
@@ -373,7 +375,7 @@ class Runtime:
                 self._stop_learning(compiled.config.source)
             old = self.compiled.config
             new = compiled.config
-            restart = _needs_restart(old, new)
+            restart = needs_restart(old, new)
             if restart:
                 self.metrics.reload(ok=False)
                 self.say(f"reload failed, keeping the previous policy: {restart}")
@@ -381,7 +383,7 @@ class Runtime:
             if (old.nameservers, old.dns_timeout) != (new.nameservers, new.dns_timeout):
                 try:
                     resolver = Resolver.from_config(new)
-                    _refuse_own_nameservers(resolver, self._own)
+                    refuse_own_nameservers(resolver, self._own)
                 except Exception as exc:
                     self.metrics.reload(ok=False)
                     self.say(f"reload failed, keeping the previous policy: {exc}")
@@ -434,71 +436,6 @@ class Runtime:
             f"the policy is enforced in full from now on ({len(closed)} live connection(s) "
             "that only learning let through closed)"
         )
-
-
-_LEARNING = (
-    "LEARNING MODE (--learn): connections the manifest does not allow are LET THROUGH and "
-    "audited as would_deny; address rules, blocked entries, the SNI gate and the operator's "
-    "ports still hold. Not for production: turn the audit log into a manifest with "
-    "'egress-proxy suggest'"
-)
-
-
-class _PrintableFormatter(logging.Formatter):
-    """Log lines (tracebacks included) can carry client text: escaped for the terminal."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        return "\n".join(printable(line) for line in super().format(record).splitlines())
-
-
-def _listening(listeners: Sequence[Listener]) -> str:
-    """`127.0.0.1:3128` for the usual single HTTP proxy; every other listener with its
-    scheme (`127.0.0.1:3128 and socks5://127.0.0.1:1080 and dns://127.0.0.1:5353`; a DNS
-    listener serves UDP and TCP on its port)."""
-    first, *rest = listeners
-    shown = [format_listen(first.host, first.port) if first.scheme == "http" else str(first)]
-    return " and ".join(shown + [str(x) for x in rest])
-
-
-def _try_it(listener: Listener) -> str:
-    where = format_listen(listener.host, listener.port)
-    if listener.scheme == "transparent":
-        return f"redirect the session's TCP to {where} (nft ... tcp dport {{80, 443}} redirect)"
-    option = "-x http://" if listener.scheme == "http" else "--socks5-hostname "
-    return f"curl {option}{where} https://pypi.org/simple/"
-
-
-def _refuse_own_nameservers(resolver: Resolver, own: Sequence[Listener]) -> None:
-    """A nameserver that is one of our own listeners would have the proxy ask itself (a DNS
-    listener: every lookup a query to ourselves, answered by asking ourselves again)."""
-    for address, port in resolver.nameservers:
-        listener = own_listener(own, address, port)
-        if listener is not None:
-            raise ProxyError(
-                "dns_config",
-                f"nameserver {format_listen(address, port)} is this proxy's own listener "
-                f"{listener}: name a DNS server it does not serve itself",
-            )
-
-
-def _needs_restart(old: Config, new: Config) -> str | None:
-    """What a reload cannot change in a running engine (mitmproxy's TLS set-up is made once,
-    and whether the engine is loaded at all is decided at start)."""
-    if old.operator.inspection_enabled != new.operator.inspection_enabled and (
-        new.operator.inspection_enabled
-    ):
-        return "inspection.enabled turned on needs a restart (the CA is loaded at start)"
-    if old.inspection_mode != new.inspection_mode:
-        return (
-            f"inspection.mode changed from {old.inspection_mode!r} to {new.inspection_mode!r}: "
-            "that needs a restart (which connections are intercepted is set at start)"
-        )
-    if new.operator.inspection_enabled and (old.ca_dir, old.upstream_ca) != (
-        new.ca_dir,
-        new.upstream_ca,
-    ):
-        return "inspection.ca_dir and inspection.upstream_ca changes need a restart"
-    return None
 
 
 def run(
