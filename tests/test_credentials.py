@@ -29,6 +29,7 @@ from running import RunningProxy, curl, make_config, metric_value, wait_for
 MANIFEST = "network:\n  egress: [api.test, other.test, plain.test]\n"
 PLACEHOLDER = "EGRESS-PLACEHOLDER-api"
 OK = b"ok\n"
+REDIRECT = "/go/"
 
 
 # -- upstreams that record ------------------------------------------------------------------
@@ -54,6 +55,12 @@ class _Recording(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         recorded: Recorded = self.server.recorded  # type: ignore[attr-defined]
         recorded.heads.append((self.requestline, list(self.headers.items())))
+        if self.path.startswith(REDIRECT):  # /go/URL: a redirect to URL
+            self.send_response(302)
+            self.send_header("Location", self.path.removeprefix(REDIRECT))
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         self.send_response(200)
         self.send_header("Content-Length", str(len(OK)))
         self.end_headers()
@@ -411,4 +418,37 @@ def test_an_http2_client_gets_it_too(
         )  # fmt: skip
         assert result.status == 200 and secret not in repr(result)
         assert api.values("authorization") == [[f"Bearer {secret}"]]
+        assert_nowhere(secret, everything_written(proxy, tmp_path))
+
+
+def test_a_redirect_to_another_host_is_a_request_of_its_own(
+    names: DNSServer, tmp_path: Path, upstream_ca: trustme.CA
+) -> None:
+    """The credential's host redirects elsewhere; a client that follows, resending its
+    Authorization header (curl --location-trusted), sends the placeholder it holds: the other
+    host gets that, decided on its own, and nothing of the secret."""
+    secret = f"tok-{uuid.uuid4().hex}"
+    token = secret_file(tmp_path, secret)
+    config = config_text(names, tmp_path, upstream_ca, credential(source=f"value_file: {token}"))
+    with (
+        recording_upstream(tls_context(upstream_ca, "api.test")) as (api_port, api),
+        recording_upstream(tls_context(upstream_ca, "other.test")) as (other_port, other),
+        RunningProxy(tmp_path / "run", MANIFEST, config=config, dns=names) as proxy,
+    ):
+        trust = client_bundle(tmp_path, upstream_ca)
+        target = f"https://other.test:{other_port}/landed"
+        result = curl(
+            proxy.port, f"https://api.test:{api_port}{REDIRECT}{target}", "-L",
+            "--location-trusted", "--cacert", trust,
+            "-H", f"Authorization: Bearer {PLACEHOLDER}",
+        )  # fmt: skip
+        assert (result.status, result.body) == (200, OK.decode()), result
+        assert api.values("authorization") == [[f"Bearer {secret}"]]
+        assert other.values("authorization") == [[f"Bearer {PLACEHOLDER}"]]
+        assert secret not in other.text() and secret not in repr(result)
+        # The other host (allowed whole, passed through) was a tunnel decided on its own name.
+        wait_for(lambda: any(x["host"] == "other.test" for x in proxy.decisions()), what="its line")
+        assert credential_lines(proxy) == [("allow", f"{REDIRECT}{target}", "api")]
+        (tunnel,) = [x for x in proxy.decisions() if x["host"] == "other.test"]
+        assert tunnel["decision"] == "allow" and "credential" not in tunnel
         assert_nowhere(secret, everything_written(proxy, tmp_path))
