@@ -176,6 +176,31 @@ def assert_nowhere(secret: str, outputs: dict[str, bytes]) -> None:
     assert leaked == [], f"the secret leaked into {leaked}"
 
 
+@dataclass
+class ApiSession:
+    """A running proxy with the placeholder credential of api.test, read from `token`, and the
+    recording upstream of api.test; `trust` is what its client trusts (client_bundle)."""
+
+    proxy: RunningProxy
+    port: int
+    api: Recorded
+    token: Path
+    trust: str
+
+
+@contextlib.contextmanager
+def api_session(
+    names: DNSServer, tmp_path: Path, upstream_ca: trustme.CA, secret: str
+) -> Iterator[ApiSession]:
+    token = secret_file(tmp_path, secret)
+    config = config_text(names, tmp_path, upstream_ca, credential(source=f"value_file: {token}"))
+    with (
+        recording_upstream(tls_context(upstream_ca, "api.test")) as (port, api),
+        RunningProxy(tmp_path / "run", MANIFEST, config=config, dns=names) as proxy,
+    ):
+        yield ApiSession(proxy, port, api, token, client_bundle(tmp_path, upstream_ca))
+
+
 def credential_lines(proxy: RunningProxy) -> list[tuple[str, str | None, str | None]]:
     """(decision, path, credential) of each request's decision line."""
     return [
@@ -284,17 +309,13 @@ def test_requests_trusting_the_published_bundle_gets_the_credential_and_never_se
     """Python's requests, as an agent configured by the variables `run` prints: its trust is
     the bundle the proxy published (REQUESTS_CA_BUNDLE), its token the placeholder."""
     secret = f"tok-{uuid.uuid4().hex}"
-    token = secret_file(tmp_path, secret)
-    config = config_text(names, tmp_path, upstream_ca, credential(source=f"value_file: {token}"))
-    with (
-        recording_upstream(tls_context(upstream_ca, "api.test")) as (port, api),
-        RunningProxy(tmp_path / "run", MANIFEST, config=config, dns=names) as proxy,
-    ):
+    with api_session(names, tmp_path, upstream_ca, secret) as session:
+        proxy, port, api = session.proxy, session.port, session.api
         bundle = tmp_path / "ca" / "trust-bundle.pem"
         assert f"REQUESTS_CA_BUNDLE={bundle}" in proxy.stderr()
-        with requests.Session() as session:
-            session.trust_env = False  # nothing of this machine's environment
-            response = session.get(
+        with requests.Session() as client:
+            client.trust_env = False  # nothing of this machine's environment
+            response = client.get(
                 f"https://api.test:{port}/repos",
                 headers={"Authorization": f"Bearer {PLACEHOLDER}"},
                 proxies={"https": proxy.url},
@@ -313,13 +334,10 @@ def test_sighup_reads_the_secret_again_and_a_failed_reload_keeps_it(
     names: DNSServer, tmp_path: Path, upstream_ca: trustme.CA
 ) -> None:
     first, second = (f"tok-{uuid.uuid4().hex}" for _ in range(2))
-    token = secret_file(tmp_path, first)
-    config = config_text(names, tmp_path, upstream_ca, credential(source=f"value_file: {token}"))
-    with (
-        recording_upstream(tls_context(upstream_ca, "api.test")) as (port, api),
-        RunningProxy(tmp_path / "run", MANIFEST, config=config, dns=names) as proxy,
-    ):
-        trust = client_bundle(tmp_path, upstream_ca)
+    with api_session(names, tmp_path, upstream_ca, first) as session:
+        proxy, port, api, token, trust = (
+            session.proxy, session.port, session.api, session.token, session.trust
+        )  # fmt: skip
         url = f"https://api.test:{port}/"
         sent = ("--cacert", trust, "-H", f"Authorization: Bearer {PLACEHOLDER}")
         assert curl(proxy.port, url, *sent).status == 200
@@ -405,13 +423,8 @@ def test_an_http2_client_gets_it_too(
     """Inside interception the header is set on mitmproxy's request, whatever HTTP version the
     client spoke (curl offers h2 by ALPN; the upstream here speaks HTTP/1.1)."""
     secret = f"tok-{uuid.uuid4().hex}"
-    token = secret_file(tmp_path, secret)
-    config = config_text(names, tmp_path, upstream_ca, credential(source=f"value_file: {token}"))
-    with (
-        recording_upstream(tls_context(upstream_ca, "api.test")) as (port, api),
-        RunningProxy(tmp_path / "run", MANIFEST, config=config, dns=names) as proxy,
-    ):
-        trust = client_bundle(tmp_path, upstream_ca)
+    with api_session(names, tmp_path, upstream_ca, secret) as session:
+        proxy, port, api, trust = session.proxy, session.port, session.api, session.trust
         result = curl(
             proxy.port, f"https://api.test:{port}/h2", "--http2", "--cacert", trust,
             "-H", f"authorization: Bearer {PLACEHOLDER}",
