@@ -258,15 +258,21 @@ async def curl(proxy: Any, url: str, *args: str) -> tuple[int, dict[str, str], b
         "-D", "/dev/stderr", "-o", "-", url, *args,
     ]  # fmt: skip
     done = await asyncio.to_thread(subprocess.run, command, capture_output=True, timeout=10)
+    return (*last_head(done.stderr), done.stdout)
+
+
+def last_head(dumped: bytes) -> tuple[int, dict[str, str]]:
+    """The status and headers (lowercase names) of the last response head in what curl's
+    `-D` wrote (a CONNECT's 200 comes first)."""
     status = 0
     headers: dict[str, str] = {}
-    for line in done.stderr.decode("latin-1").splitlines():
+    for line in dumped.decode("latin-1").splitlines():
         if line.startswith("HTTP/"):
             status, headers = int(line.split()[1]), {}
         elif ":" in line:
             name, value = line.split(":", 1)
             headers[name.strip().lower()] = value.strip()
-    return status, headers, done.stdout
+    return status, headers
 
 
 async def read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:

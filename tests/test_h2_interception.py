@@ -379,13 +379,7 @@ async def curl_h2(*args: str) -> tuple[str, int, dict[str, str], bytes]:
     done = await asyncio.to_thread(
         subprocess.run, command, capture_output=True, timeout=15, check=False
     )
-    status, headers = 0, {}
-    for line in done.stderr.decode("latin-1").splitlines():
-        if line.startswith("HTTP/"):
-            status, headers = int(line.split()[1]), {}
-        elif ":" in line:
-            name, value = line.split(":", 1)
-            headers[name.strip().lower()] = value.strip()
+    status, headers = test_engine.last_head(done.stderr)
     body, _, version = done.stdout.rpartition(b"\n")
     return version.decode(), status, headers, body
 
