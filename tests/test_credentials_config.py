@@ -15,13 +15,8 @@ import pytest
 
 from policy import compile_policy, load_manifest
 from proxy.app.config import load_config
-from proxy.app.credentials import (
-    MAX_SECRET,
-    SANDBOX_VARIABLES,
-    credential_findings,
-    load_secrets,
-    reserved_variables,
-)
+from proxy.app.credentials import SANDBOX_VARIABLES, credential_findings, reserved_variables
+from proxy.app.secrets import MAX_SECRET, load_secrets
 from proxy.boundary.sandbox.children import DROPPED_VARIABLES, PROXY_VARIABLES
 from proxy.boundary.sandbox.command import command_env
 from proxy.boundary.sandbox.options import RunAs

@@ -1,7 +1,6 @@
 """The operator config's `credentials` section: its entries read and checked as hostile input
 (`read_credentials`, one section of proxy/app/config.py), the secrets read from their files or
-variables (`load_secrets`: the one place, used by start-up and by every reload, through
-proxy/app/inputs.py's `compile_inputs`), and each host checked against the compiled policy
+variables (proxy/app/secrets.py), and each host checked against the compiled policy
 (`credential_findings`: `check` reports them, `run` refuses them).
 
     credentials:
@@ -19,10 +18,7 @@ No message here ever holds a secret: a value that cannot be used is described, n
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import re
-import stat
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
 
@@ -30,7 +26,7 @@ from policy.findings import Finding, describe_type, quote
 from policy.hostnames import check_entry
 from proxy.decide.credentials import VALUE
 from proxy.errors import ProxyError
-from proxy.settings import Config, Credential, Secret
+from proxy.settings import Config, Credential
 
 if TYPE_CHECKING:
     from policy import Policy
@@ -53,8 +49,6 @@ _TOKEN: Final = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 5.6.2 tch
 _VARIABLE: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 MAX_PLACEHOLDER: Final = 256
 MAX_TEMPLATE: Final = 256
-# Far above any API token or key; a file larger than this is not one.
-MAX_SECRET: Final = 16 * 1024
 # Fields the proxy itself must own: the request's target and framing, the connection's own
 # (hop-by-hop, RFC 9110 7.6.1) and the proxy's (Proxy-*, matched by prefix below).
 _OWNED: Final = frozenset(
@@ -326,105 +320,6 @@ def _check_file(value: Any) -> str:
 def _visible(text: str, *, spaces: bool) -> bool:
     low = 0x20 if spaces else 0x21
     return all(low <= ord(c) <= 0x7E for c in text)
-
-
-# -- the secrets ---------------------------------------------------------------------------
-
-
-def load_secrets(config: Config, environ: dict[str, str] | None = None) -> Config:
-    """`config` with each credential's secret read from its file or variable, now. The one
-    place secrets are read: start-up, and every reload (a rotation). Any that cannot be read
-    raises ProxyError('credential_unreadable') naming each entry and where it looked; nothing
-    is half applied."""
-    if not config.credentials:
-        return config
-    environ = dict(os.environ) if environ is None else environ
-    problems: list[Finding] = []
-    loaded: list[Credential] = []
-    for credential in config.credentials:
-        try:
-            secret = _read(credential, environ)
-        except ValueError as exc:
-            key = "value_file" if credential.value_file is not None else "value_env"
-            message = f"credential {credential.name!r}: {exc}"
-            path = f"{credential.path}.{key}"
-            reason = "credential_unreadable"
-            problems.append(Finding(path, None, reason, message, "error", config.source))
-            continue
-        loaded.append(dataclasses.replace(credential, secret=secret))
-    if problems:
-        listed = "; ".join(f"{f.path}: {f.message}" for f in problems)
-        raise ProxyError(
-            "credential_unreadable", listed, source=config.source, details=tuple(problems)
-        )
-    return dataclasses.replace(config, credentials=tuple(loaded))
-
-
-def _read(credential: Credential, environ: dict[str, str]) -> Secret:
-    if credential.value_file is not None:
-        value = _read_file(credential.value_file)
-    else:
-        name = credential.value_env
-        assert name is not None
-        text = environ.get(name)
-        if text is None:
-            raise ValueError(f"the variable {name} is not set")
-        try:
-            value = text.encode("ascii")
-        except UnicodeEncodeError:
-            raise ValueError(
-                f"the variable {name} holds non-ASCII characters, which a header value "
-                "cannot carry as they are"
-            ) from None
-    _check_secret(value, credential.source)
-    return Secret(value)
-
-
-def _read_file(path: str) -> bytes:
-    where = f"the file {path}"
-    try:
-        # O_NONBLOCK: a FIFO put in a secret's place would block the proxy; it is refused below.
-        fd = os.open(os.path.expanduser(path), os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as exc:
-        raise ValueError(f"cannot read {where}: {exc.strerror or exc}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ValueError(f"{where} is not a regular file")
-        if info.st_size > MAX_SECRET:
-            raise ValueError(f"{where} is larger than {MAX_SECRET} bytes, too large for one")
-        with os.fdopen(fd, "rb", closefd=False) as handle:
-            data = handle.read(MAX_SECRET + 2)
-    except OSError as exc:
-        raise ValueError(f"cannot read {where}: {exc.strerror or exc}") from None
-    finally:
-        os.close(fd)
-    if len(data) > MAX_SECRET + 1:
-        raise ValueError(f"{where} is larger than {MAX_SECRET} bytes, too large for one")
-    # One trailing newline is how files end, not part of the secret (CRLF from Windows too).
-    if data.endswith(b"\r\n"):
-        return data[:-2]
-    return data[:-1] if data.endswith(b"\n") else data
-
-
-def _check_secret(value: bytes, source: str) -> None:
-    """A secret goes into a header value as it is: a CR, LF or NUL in it would split the
-    request (header injection), other controls are refused by servers, and whitespace at its
-    edges is dropped by them. Described, never shown."""
-    if not value:
-        raise ValueError(f"{source}: the value is empty")
-    if any(b in value for b in (b"\r", b"\n", b"\0")):
-        raise ValueError(
-            f"{source}: the value holds a CR, LF or NUL (beyond one trailing newline), "
-            "which would split the request's head"
-        )
-    if any(byte < 0x20 or byte > 0x7E for byte in value):
-        raise ValueError(
-            f"{source}: the value holds control or non-ASCII bytes; a header value carries "
-            "visible ASCII characters and spaces"
-        )
-    if value != value.strip(b" "):
-        raise ValueError(f"{source}: the value starts or ends with a space")
 
 
 # -- against the policy --------------------------------------------------------------------

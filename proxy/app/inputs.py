@@ -20,7 +20,8 @@ from policy import (
 from policy.documents import MAX_DOCUMENT_BYTES, too_large
 from policy.manifests import Format
 from proxy.app.config import Config, load_config
-from proxy.app.credentials import check_credentials, load_secrets
+from proxy.app.credentials import check_credentials
+from proxy.app.secrets import load_secrets
 from proxy.errors import ProxyError
 from proxy.settings import LEARN_FORBID
 
