@@ -9,7 +9,9 @@ front of a keep-alive HTTPS upstream of this script's own (its own process), and
 
 - tunnels: `--tunnels` CONNECT tunnels, 4 at a time, each a TLS handshake (the client verifying
   the certificate it is given: the upstream's, or the proxy's CA's), one GET, its answer, close;
-- requests: one tunnel carrying `--requests` GETs one after the other (keep-alive).
+- requests: one tunnel carrying `--requests` GETs one after the other (keep-alive), HTTP/1.1;
+- requests_h2: the same over HTTP/2 (ALPN `h2`, one stream after another on one connection);
+  the upstream speaks both, so an intercepted h2 client is h2 on both sides.
 
 The figure of record is the proxy's CPU (utime + stime of its process, all threads, from
 /proc/PID/stat) divided by the work; the client and the upstream share the machine's cores, so
@@ -36,6 +38,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
@@ -54,14 +61,32 @@ def cpu_seconds(pid: int) -> float:
 # -- the upstream (its own process) ------------------------------------------------------------
 
 
+async def serve_h2(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """The upstream's HTTP/2: every request answered with BODY on its stream."""
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+    conn.initiate_connection()
+    writer.write(conn.data_to_send())
+    while data := await reader.read(65536):
+        for event in conn.receive_data(data):
+            if isinstance(event, h2.events.RequestReceived):
+                fields = [(":status", "200"), ("content-length", str(len(BODY)))]
+                conn.send_headers(event.stream_id, fields)
+                conn.send_data(event.stream_id, BODY, end_stream=True)
+        writer.write(conn.data_to_send())
+        await writer.drain()
+
+
 def upstream_main(cert: str, key: str, port_pipe: Any) -> None:
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         answer = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY)
         try:
+            if writer.get_extra_info("ssl_object").selected_alpn_protocol() == "h2":
+                await serve_h2(reader, writer)
+                return
             while await reader.readuntil(b"\r\n\r\n"):
                 writer.write(answer)
                 await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
+        except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError, h2.exceptions.H2Error):
             pass
         finally:
             writer.close()
@@ -69,6 +94,7 @@ def upstream_main(cert: str, key: str, port_pipe: Any) -> None:
     async def serve() -> None:
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         context.load_cert_chain(cert, key)
+        context.set_alpn_protocols(["h2", "http/1.1"])
         server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=context, backlog=256)
         port_pipe.send(server.sockets[0].getsockname()[1])
         await asyncio.Event().wait()
@@ -127,6 +153,39 @@ def get(conn: ssl.SSLSocket, upstream_port: int) -> None:
     assert data.startswith(b"HTTP/1.1 200"), data[:200]
 
 
+class H2Client:
+    """Sequential GETs, one stream after another, on one HTTP/2 connection in a tunnel."""
+
+    def __init__(self, conn: ssl.SSLSocket, authority: str) -> None:
+        assert conn.selected_alpn_protocol() == "h2", conn.selected_alpn_protocol()
+        self.conn, self.authority = conn, authority
+        self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        self.h2.initiate_connection()
+        conn.sendall(self.h2.data_to_send())
+
+    def get(self) -> None:
+        stream = self.h2.get_next_available_stream_id()
+        fields = [(":method", "GET"), (":scheme", "https"), (":authority", self.authority),
+                  (":path", "/")]  # fmt: skip
+        self.h2.send_headers(stream, fields, end_stream=True)
+        self.conn.sendall(self.h2.data_to_send())
+        received, ended = 0, False
+        while not ended:
+            data = self.conn.recv(65536)
+            assert data, "the connection closed"
+            for event in self.h2.receive_data(data):
+                if isinstance(event, h2.events.DataReceived):
+                    received += len(event.data)
+                    self.h2.acknowledge_received_data(event.flow_controlled_length, stream)
+                elif isinstance(event, h2.events.StreamEnded) and event.stream_id == stream:
+                    ended = True
+                elif isinstance(event, h2.events.StreamReset):
+                    raise AssertionError(f"stream reset: {event}")
+            if out := self.h2.data_to_send():
+                self.conn.sendall(out)
+        assert received == len(BODY), received
+
+
 def measure(pid: int, work: Any) -> dict[str, float]:
     before, started = cpu_seconds(pid), time.monotonic()
     count = work()
@@ -164,6 +223,24 @@ def requests_phase(pid: int, proxy_port: int, upstream_port: int, ca: str, n: in
         conn.close()
 
 
+def requests_h2_phase(pid: int, proxy_port: int, upstream_port: int, ca: str, n: int) -> dict:
+    context = ssl.create_default_context(cafile=ca)
+    context.set_alpn_protocols(["h2"])
+    conn = tunnel(proxy_port, upstream_port, context)
+    client = H2Client(conn, f"up.test:{upstream_port}")
+    client.get()  # the tunnel and the upstream connection are set up before
+
+    def work() -> int:
+        for _ in range(n):
+            client.get()
+        return n
+
+    try:
+        return measure(pid, work)
+    finally:
+        conn.close()
+
+
 # -- rounds ----------------------------------------------------------------------------------
 
 
@@ -178,6 +255,7 @@ def one_round(args: argparse.Namespace, mode: str, dns_port: int, upstream: tupl
             result = {
                 "tunnels": tunnels_phase(proxy.pid, port, upstream_port, ca, args.tunnels),
                 "requests": requests_phase(proxy.pid, port, upstream_port, ca, args.requests),
+                "requests_h2": requests_h2_phase(proxy.pid, port, upstream_port, ca, args.requests),
             }
             result["rss_kib"] = rss_kib(proxy.pid)
             return result
@@ -242,7 +320,8 @@ def report(samples: dict[str, list[dict]]) -> None:
         return statistics.median(x[phase][key] for x in samples[mode])
 
     print("\nmedians (proxy CPU per unit of work; rates: client and upstream share the cores)")
-    for phase, unit in (("tunnels", "tunnel"), ("requests", "request")):
+    phases = (("tunnels", "tunnel"), ("requests", "request"), ("requests_h2", "HTTP/2 request"))
+    for phase, unit in phases:
         passed, seen = median("prefixes", phase, "cpu_us"), median("all", phase, "cpu_us")
         passed_rate, seen_rate = median("prefixes", phase, "rate"), median("all", phase, "rate")
         print(
