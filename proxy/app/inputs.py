@@ -54,6 +54,13 @@ def source_name(path: str) -> str:
     return "<stdin>" if path == "-" else path
 
 
+def read_config(path: str | None) -> Config:
+    """The operator config at `path` (the defaults without one). Raises PolicyError."""
+    if not path:
+        return Config()
+    return load_config(read_input(path), source=source_name(path))
+
+
 def load_inputs(
     manifest_bytes: bytes,
     manifest_source: str,
@@ -64,9 +71,7 @@ def load_inputs(
 ) -> tuple[Manifest, Ceiling | None, Config]:
     """The manifest (already read: `run` keeps the bytes of start-up), with the ceiling and the
     config read from their files. Raises PolicyError for unusable input."""
-    config = Config()
-    if config_path:
-        config = load_config(read_input(config_path), source=source_name(config_path))
+    config = read_config(config_path)
     suffixes = config.operator.internal_suffixes
     # Standard input has no file name to imply a syntax: --format agent.toml means TOML there.
     stdin_toml = manifest_source == "<stdin>" and format == "agent.toml"

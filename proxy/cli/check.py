@@ -22,9 +22,9 @@ from policy import (
 from policy.hostnames import normalize_host, parse_ip_literal
 from policy.manifests import FORMATS
 from policy.urls import parse_target
-from proxy.app.config import Config, load_config
+from proxy.app.config import Config
 from proxy.app.credentials import credential_findings
-from proxy.app.inputs import load_inputs, read_input, source_name
+from proxy.app.inputs import load_inputs, read_config, read_input, source_name
 from proxy.cli.output import EXIT_FINDINGS, EXIT_OK, MAX_TABLE_ROWS, more, print_json, table
 from proxy.terminal import printable
 
@@ -61,12 +61,6 @@ def add_check_parsers(sub: Any) -> None:
     classify_p = sub.add_parser("classify", help="classify IP addresses")
     inputs(classify_p, manifest=False)
     classify_p.add_argument("addresses", nargs="+", metavar="ADDRESS")
-
-
-def _load_config(args: argparse.Namespace) -> Config:
-    if not args.config:
-        return Config()
-    return load_config(read_input(args.config), source=source_name(args.config))
 
 
 def _check_stdin(args: argparse.Namespace) -> None:
@@ -265,7 +259,7 @@ def cmd_explain(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def cmd_classify(args: argparse.Namespace, out: TextIO) -> int:
-    config = _load_config(args)
+    config = read_config(args.config)
     verdicts = [classify(a, config.operator.addresses) for a in args.addresses]
     results = [
         {

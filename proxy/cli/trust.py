@@ -37,15 +37,12 @@ def add_trust_parser(sub: Any) -> None:
 
 
 def cmd_trust(args: argparse.Namespace, out: TextIO) -> int:
-    from proxy.app.config import Config, load_config
-    from proxy.app.inputs import read_input, source_name
+    from proxy.app.inputs import read_config
     from proxy.errors import ProxyError
     from proxy.l7.ca import ensure_ca
     from proxy.l7.trust import TRUST_VARIABLES, publish
 
-    config = Config()
-    if args.config:
-        config = load_config(read_input(args.config), source=source_name(args.config))
+    config = read_config(args.config)
     if not config.operator.inspection_enabled:
         raise ProxyError(
             "inspection_disabled",
