@@ -17,13 +17,12 @@ from proxy.dataplane import tunnel
 from proxy.dataplane.http_messages import forwarded_fields, request_head
 from proxy.dataplane.http_requests import Rejected, Request, destination
 from proxy.dataplane.http_upstream import FAILED, REUSABLE, STALE, SWITCHED, Client, Exchange
-from proxy.decide.credentials import audit_name, inject
+from proxy.decide.credentials import counted, inject
 from proxy.net.dialing import UpstreamError, connect_upstream, dial_checked
 from proxy.reasons import Refused, authority
 
 if TYPE_CHECKING:
     from proxy.dataplane.connection import Door
-    from proxy.decide.events import MetricsSink
 
 # Methods a stale pooled connection may be retried for (nothing of them was sent or read).
 _RETRIABLE: Final = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
@@ -81,9 +80,8 @@ async def serve(plane: Plane, request: Request) -> bool:
             if attempt == 0:
                 conn.door.vetter.allowed(
                     conn.peer, conn.protocol, stage="address", vetted=vetted, port=port,
-                    credential=audit_name(applied), **context,
+                    credential=counted(conn.door.metrics, applied), **context,
                 )  # fmt: skip
-                _count(conn.door.metrics, applied)
             outcome = await _exchange(plane, exchange)
             if outcome != STALE:
                 break
@@ -106,12 +104,6 @@ async def serve(plane: Plane, request: Request) -> bool:
     # A body still arriving goes to the finished exchange, which drops it; the next request
     # is parsed after it.
     return not (request.websocket or plane.closing)
-
-
-def _count(metrics: MetricsSink | None, applied: tuple[str, ...]) -> None:
-    if metrics is not None:
-        for name in applied:
-            metrics.credential_injected(name)
 
 
 async def _connect(

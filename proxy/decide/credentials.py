@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
+    from proxy.decide.events import MetricsSink
     from proxy.settings import Credential
 
 type Fields = list[tuple[bytes, bytes]]  # (name as sent, value), in order
@@ -99,3 +100,12 @@ def audit_name(applied: Sequence[str]) -> str | None:
     """What a decision line's `credential` says: the name, or the names joined by commas when
     one host has several (names hold no comma); None when none was put in."""
     return ",".join(applied) if applied else None
+
+
+def counted(metrics: MetricsSink | None, applied: Sequence[str]) -> str | None:
+    """Counts each credential put in (both planes, once per request), and returns what the
+    request's decision line says of them (`audit_name`)."""
+    if metrics is not None:
+        for name in applied:
+            metrics.credential_injected(name)
+    return audit_name(applied)

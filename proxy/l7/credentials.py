@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from proxy.decide.credentials import audit_name, inject
+from proxy.decide.credentials import counted, inject
 
 if TYPE_CHECKING:
     from mitmproxy import http
@@ -50,7 +50,4 @@ class CredentialInjector:
         if not applied:
             return None
         request.headers.fields = tuple(fields)
-        if self.metrics is not None:
-            for name in applied:
-                self.metrics.credential_injected(name)
-        return audit_name(applied)
+        return counted(self.metrics, applied)
