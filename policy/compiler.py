@@ -31,7 +31,7 @@ from policy.reasons import Reason
 from policy.remedies import remedy
 from policy.rules import Rule
 from policy.trie import Match, SuffixTrie
-from policy.urls import RULE_SCHEME, TLS_SCHEMES, Target, parse_target
+from policy.urls import RULE_SCHEME, STREAM_SCHEMES, TLS_SCHEMES, Target, parse_target
 
 __all__ = ["Grant", "Policy", "check_manifest", "compile_policy"]
 
@@ -184,6 +184,29 @@ class Policy:
             )
 
     def _decide(self, target: Target) -> Decision:
+        decision = self._decide_target(target)
+        if decision.allowed and target.scheme in STREAM_SCHEMES:
+            return self._stream_port(decision, target.scheme)
+        return decision
+
+    def _stream_port(self, decision: Decision, scheme: str) -> Decision:
+        """An allowed destination, refused for a stream that is neither TLS nor HTTP when its
+        port does not take such streams (the operator's `opaque_ports`)."""
+        port = decision.port
+        if port is not None and self.operator.opaque_allowed(port):
+            return decision
+        return Decision(
+            False,
+            Reason.OPAQUE_NOT_ALLOWED,
+            f"{decision.host}: port {port} takes only TLS and HTTP, not an opaque {scheme} "
+            "stream (the operator's opaque_ports)",
+            decision.host,
+            port,
+            "opaque_ports",
+            decision.ceiling,
+        )
+
+    def _decide_target(self, target: Target) -> Decision:
         port = target.effective_port
         literal = parse_ip_literal(target.host)
         if literal is not None:
@@ -217,6 +240,20 @@ class Policy:
         # allowed one only on its own scheme and port.
         blocks = [g.rule for g in match.block_urls or ()]
         grant = _first(match.exact, match.subtree)
+        if target.scheme in STREAM_SCHEMES:
+            # A stream has no path: only an entry for the whole host admits it.
+            if grant is None and match.urls:
+                rule = match.urls[0].rule
+                return Decision(
+                    False,
+                    Reason.INSPECTION_UNSUPPORTED,
+                    f"{host} is admitted only for some URL paths ({rule.id}); an opaque "
+                    f"{target.scheme} stream has no path to decide",
+                    host,
+                    port,
+                    rule.id,
+                )
+            blocks = []
         urls = [] if grant is not None else self._urls_for(match, target.scheme, port)
         admitting = urls[0] if urls else None
         if target.path is not None and (blocks or urls):
@@ -350,13 +387,17 @@ class Policy:
                     decision.port,
                     decision.rule,
                 )
-            return dataclasses.replace(
+            let = dataclasses.replace(
                 decision,
                 allowed=True,
                 message=f"{decision.message}; learning: let through",
                 needs_inspection=inspect,
                 would_deny=True,
             )
+            if parsed.scheme in STREAM_SCHEMES:
+                # Learning lifts what a manifest entry would; the operator's ports still hold.
+                return self._stream_port(let, parsed.scheme)
+            return let
         except Exception:
             return decision
 

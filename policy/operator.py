@@ -26,5 +26,20 @@ class OperatorRules:
     addresses: AddressRules = field(default_factory=AddressRules)
     platform_destinations: tuple[PlatformDestination, ...] = ()
     ports: frozenset[int] | None = None  # None: any destination port
+    # Ports where a stream that is neither TLS nor HTTP (SSH, a database, SMTP) may pass. None:
+    # every port but 80 and 443 (of those `ports` allows), where TLS and HTTP are what clients
+    # speak and anything else is likelier a tunnel out than a protocol the agent needs.
+    opaque_ports: frozenset[int] | None = None
     inspection_enabled: bool = True
     internal_suffixes: tuple[str, ...] = ()
+
+    def opaque_allowed(self, port: int) -> bool:
+        """Whether an opaque stream (neither TLS nor HTTP) may pass on `port` (the port itself
+        is decided by `ports`, before)."""
+        if self.opaque_ports is None:
+            return port not in WEB_PORTS
+        return port in self.opaque_ports
+
+
+# Where only TLS and HTTP pass by default.
+WEB_PORTS = frozenset({80, 443})

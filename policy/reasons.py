@@ -30,6 +30,7 @@ class Reason(StrEnum):
     PATH_NOT_ALLOWED = "path_not_allowed"  # the host is admitted, on other paths only
     AMBIGUOUS_PATH = "ambiguous_path"  # a path servers read differently, or a refused form
     INSPECTION_DISABLED = "inspection_disabled"  # paths decide, but TLS inspection is off
+    OPAQUE_NOT_ALLOWED = "opaque_not_allowed"  # not TLS or HTTP, on a port not in opaque_ports
     INTERNAL_ERROR = "internal_error"  # a bug of ours while deciding: fail closed
     # -- the host itself, before any rule (policy/names.py, policy/urls.py) -------------------
     IP_LITERAL = "ip_literal"  # the host is an IP address in any spelling
@@ -97,6 +98,7 @@ class Reason(StrEnum):
     CONNECT_REFUSED = "connect_refused"  # a CONNECT inside interception (h2 extended CONNECT too)
     HEADER_TIMEOUT = "header_timeout"  # no complete head (or ClientHello) within the time limit
     NO_ORIGINAL_DESTINATION = "no_original_destination"  # a transparent connection not redirected
+    UNATTRIBUTED = "unattributed"  # an address the session's DNS never answered for a name
     PROXY_LOOP = "proxy_loop"  # a destination that is one of the proxy's own listeners
     OVERLOAD = "overload"  # a connection or query over the configured limits
     NOT_SOCKS5 = "not_socks5"  # what came to a SOCKS5 listener is not SOCKS5

@@ -83,6 +83,10 @@ _CLIENT: dict[str, str] = {
     Reason.NOT_TLS: "start the tunnel with a TLS handshake",
     Reason.UPGRADE_REFUSED: "only WebSocket upgrades pass: send the request without Upgrade",
     Reason.PROXY_LOOP: f"the destination is the proxy itself; {_NO_ENTRY}",
+    Reason.UNATTRIBUTED: "connect by a host name the session resolves through the proxy's DNS",
+    Reason.INSPECTION_UNSUPPORTED: (
+        "the host is allowed only for some URL paths: speak HTTP or TLS to it, or allow the host"
+    ),
 }
 
 
@@ -168,6 +172,9 @@ def remedy(
     if reason == Reason.PORT_NOT_ALLOWED:
         where = f"port {port}" if port is not None else "this port"
         return f"{_NO_ENTRY}: the operator must add {where} to the port allow-list"
+    if reason == Reason.OPAQUE_NOT_ALLOWED:
+        where = f"port {port}" if port is not None else "this port"
+        return f"{_NO_ENTRY}: the operator must add {where} to opaque_ports"
     if reason == Reason.INSPECTION_DISABLED:
         return (
             f"the paths of '{host}' are decided per request: the operator must enable TLS "

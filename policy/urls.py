@@ -14,7 +14,11 @@ from policy.errors import PolicyError
 from policy.names import _is_ipv6_spelling
 from policy.reasons import Reason
 
-DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
+DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443, "ssh": 22}
+# Streams that are neither TLS nor HTTP (`explain ssh://host`, and what the data plane decides a
+# tunnel's first bytes were): no URL-prefix rule speaks of them, and `tcp` names no default port.
+STREAM_SCHEMES = frozenset({"ssh", "tcp"})
+SCHEMES = frozenset(DEFAULT_PORTS) | STREAM_SCHEMES
 # WebSocket upgrades are decided by the HTTP rules of the request that opens them.
 RULE_SCHEME = {"http": "http", "https": "https", "ws": "http", "wss": "https"}
 TLS_SCHEMES = frozenset({"https", "wss"})
@@ -97,9 +101,10 @@ def parse_target(text: str) -> Target:
         host, port = split_authority(text)
         return Target(host=host, port=port)
     scheme = match.group(1).lower()
-    if scheme not in DEFAULT_PORTS:
+    if scheme not in SCHEMES:
         raise PolicyError(
-            Reason.UNSUPPORTED_SCHEME, f"scheme {scheme!r} is not one of http, https, ws, wss"
+            Reason.UNSUPPORTED_SCHEME,
+            f"scheme {scheme!r} is not one of http, https, ws, wss, ssh, tcp",
         )
     rest = text[match.end() :]
     cut = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
@@ -107,6 +112,16 @@ def parse_target(text: str) -> Target:
     if "@" in authority:
         raise PolicyError(Reason.INVALID_TARGET, "credentials in a URL (user@host) are refused")
     host, port = split_authority(authority)
+    if scheme in STREAM_SCHEMES:
+        if path not in ("", "/"):
+            raise PolicyError(
+                Reason.INVALID_TARGET, f"{text[:100]!r}: an {scheme}:// target has no path"
+            )
+        if port is None and scheme not in DEFAULT_PORTS:
+            raise PolicyError(
+                Reason.INVALID_TARGET, f"{text[:100]!r}: a tcp:// target names its port"
+            )
+        return Target(host=host, port=port, scheme=scheme)
     # The query goes; a '#' before it stays in the path, where a path rule refuses it (a client
     # never sends a fragment, and a server may read '/api#/../x' as a path).
     path = path.split("?", 1)[0]

@@ -20,6 +20,7 @@ __all__ = [
     "authority",
     "refusal_parts",
     "refusal_response",
+    "refusal_ssh",
     "shown",
 ]
 
@@ -127,3 +128,44 @@ def refusal_alert(refused: Refused) -> bytes:
     in the clear, before any ServerHello, as a server that refuses a handshake does."""
     description = _INTERNAL_ERROR if refused.error else _ACCESS_DENIED
     return bytes((0x15, 0x03, 0x03, 0x00, 0x02, 0x02, description))
+
+
+# What an SSH client reads first from the server (RFC 4253 4.2); the software version names us,
+# so a refusal is not mistaken for the server's.
+SSH_IDENTIFICATION = b"SSH-2.0-egress_proxy\r\n"
+_SSH_MSG_DISCONNECT = 1
+# RFC 4253 11.1: SSH_DISCONNECT_HOST_NOT_ALLOWED_TO_CONNECT; SSH_DISCONNECT_CONNECTION_LOST
+# for an upstream or DNS failure (nothing the client may not do, a path that is not there).
+_SSH_NOT_ALLOWED = 1
+_SSH_CONNECTION_LOST = 10
+
+
+def refusal_ssh(refused: Refused, host: str | None, port: int | None) -> bytes:
+    """A refusal in SSH's own terms, for a client that sent its identification string: ours,
+    then an SSH_MSG_DISCONNECT (in the clear, as every packet before the key exchange is) whose
+    description is the one-line refusal, so that OpenSSH and git print the reason and its
+    remedy ("Received disconnect from ...: egress-proxy: git.test:2222 denied: ...")."""
+    _, body = refusal_parts(
+        refused.status,
+        host or "proxy",
+        port,
+        refused.reason,
+        error=refused.error,
+        remedy=refused.remedy,
+    )
+    description = body.rstrip(b"\n")
+    code = _SSH_CONNECTION_LOST if refused.error else _SSH_NOT_ALLOWED
+    payload = (
+        bytes((_SSH_MSG_DISCONNECT,))
+        + code.to_bytes(4, "big")
+        + len(description).to_bytes(4, "big")
+        + description
+        + (0).to_bytes(4, "big")  # language tag: none
+    )
+    # Binary packet (RFC 4253 6): length, padding length, payload, at least 4 bytes of padding,
+    # the whole a multiple of 8 (the block size before any cipher), no MAC yet.
+    padding = 8 - (5 + len(payload)) % 8
+    if padding < 4:
+        padding += 8
+    packet = (1 + len(payload) + padding).to_bytes(4, "big") + bytes((padding,)) + payload
+    return SSH_IDENTIFICATION + packet + bytes(padding)

@@ -32,6 +32,11 @@ LEARN_FORBID = "forbid"
 LEARN_MODES = (LEARN_ALLOW, LEARN_FORBID)
 
 
+# `dns.attribution_grace`: how long past its TTL an answered address still names its host for a
+# redirected connection that carries no name (proxy/decide/attribution.py).
+DEFAULT_ATTRIBUTION_GRACE = 300.0
+
+
 @dataclass(frozen=True, slots=True)
 class Nameserver:
     address: str
@@ -109,3 +114,4 @@ class Config:
     trust_dir: str | None = None
     # The operator's `credentials`, each with its secret once read (Credential.secret).
     credentials: tuple[Credential, ...] = ()
+    attribution_grace: float = DEFAULT_ATTRIBUTION_GRACE

@@ -378,6 +378,8 @@ def test_verify_holds_with_the_rules_and_names_every_bypass_without_them() -> No
         failed = {name: r["detail"] for name, r in results.items() if not r["passed"]}
         expected = {
             *(f"tcp_{f}_direct_{p}" for f in ("v4", "v6") for p in (80, 443)),
+            "tcp_v4_direct_ssh",
+            "tcp_v6_direct_ssh",
             "tcp_explicit_proxy",
             "udp_v4",
             "udp_v6",
@@ -390,6 +392,8 @@ def test_verify_holds_with_the_rules_and_names_every_bypass_without_them() -> No
         assert set(held) == expected
         assert "X-Egress-Denied" in held["tcp_v4_direct_80"]
         assert "X-Egress-Denied" in held["tcp_v6_direct_443"]
+        # An SSH stream to an address never resolved through the proxy names no host.
+        assert "unattributed" in held["tcp_v4_direct_ssh"], held["tcp_v4_direct_ssh"]
         for name in ("udp_v4", "udp_v6", "icmp_v4"):
             assert "refused locally" in held[name], held[name]
         # The kernel does not tell an ICMPv6 ping socket of the drop: no reply is the evidence

@@ -50,7 +50,8 @@ def test_the_example_config_loads_every_key() -> None:
     assert gateway.host == "gateway.platform.svc.cluster.local"
     assert gateway.ports == frozenset({443})
     assert gateway.cidrs == (ipaddress.ip_network("10.96.0.0/12"),)
-    assert op.ports == frozenset({80, 443})
+    assert op.ports == frozenset({80, 443, 22}) and op.opaque_ports == frozenset({22})
+    assert config.attribution_grace == 300.0
     assert op.inspection_enabled is True
     assert config.ca_dir == "~/.local/share/egress-proxy/ca"
     assert config.limits == Limits(10.0, 600.0, 10.0, 1024)
@@ -389,6 +390,30 @@ def test_an_empty_port_list_is_refused_not_read_as_deny_all() -> None:
     found = problems({"ports": []})
     assert found["ports"].reason == "empty_list" and "omit" in found["ports"].message
     assert problems({"ports": 443})["ports"].reason == "not_a_list"
+
+
+def test_opaque_ports_default_to_every_allowed_port_but_80_and_443() -> None:
+    operator = load({}).operator
+    assert operator.opaque_ports is None
+    assert [operator.opaque_allowed(p) for p in (22, 80, 443, 5432)] == [True, False, False, True]
+    listed = load({"ports": [443, 2222, 5432], "opaque_ports": [2222]}).operator
+    assert listed.opaque_allowed(2222) and not listed.opaque_allowed(5432)
+    off = load({"opaque_ports": []}).operator
+    assert off.opaque_ports == frozenset() and not off.opaque_allowed(22)
+
+
+def test_an_opaque_port_that_ports_refuses_is_named() -> None:
+    found = problems({"ports": [443, 22], "opaque_ports": [22, 5432]})
+    assert list(found) == ["opaque_ports[1]"]
+    assert "5432 is not in ports" in found["opaque_ports[1]"].message
+    assert list(problems({"opaque_ports": [22, "x"]})) == ["opaque_ports[1]"]
+    assert problems({"opaque_ports": 22})["opaque_ports"].reason == "not_a_list"
+
+
+def test_dns_attribution_grace() -> None:
+    assert load({}).attribution_grace == 300.0
+    assert load({"dns": {"attribution_grace": "90s"}}).attribution_grace == 90.0
+    assert list(problems({"dns": {"attribution_grace": "soon"}})) == ["dns.attribution_grace"]
 
 
 def test_inspection() -> None:

@@ -467,10 +467,9 @@ def invalid_hello() -> bytes:
     [
         (lambda: client_hello("other.test"), "sni_mismatch", "other.test"),
         (lambda: client_hello(None), "sni_missing", None),
-        (lambda: b"GET / HTTP/1.1\r\nHost: tls.test\r\n\r\n", "not_tls", None),
         (invalid_hello, "invalid_client_hello", None),
     ],
-    ids=["sni_mismatch", "sni_missing", "not_tls", "invalid_client_hello"],
+    ids=["sni_mismatch", "sni_missing", "invalid_client_hello"],
 )
 async def test_sni_gate_closes_the_tunnel_and_the_upstream_gets_nothing(
     dns: DNSServer, first_bytes: Any, reason: str, sni: str | None

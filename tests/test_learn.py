@@ -154,12 +154,12 @@ def learn_and_refuse(proxy: RunningProxy, port: int, tls: TLSUpstream) -> None:
     # A TLS tunnel (CONNECT, SNI gate, passthrough): the upstream's own certificate.
     result = curl(proxy.port, f"https://tls.test:{tls.port}/", "--cacert", str(tls.ca_file))
     assert (result.connect_status, result.body) == (200, TLS_BODY.decode()), result
-    # A tunnel that does not start with TLS is still closed at the SNI gate.
+    # Plain HTTP inside a tunnel still names the tunnel's host and port in its Host.
     with socket.create_connection((LOOPBACK, proxy.port), timeout=10) as sock:
         sock.sendall(f"CONNECT new.test:{port} HTTP/1.1\r\nHost: new.test:{port}\r\n\r\n".encode())
         assert b" 200 " in sock.recv(4096)
         sock.sendall(b"GET / HTTP/1.1\r\nHost: new.test\r\n\r\n")
-        assert sock.recv(4096) == b""
+        assert b"X-Egress-Denied: host_mismatch" in sock.recv(4096)
 
     # Everything a manifest entry cannot lift is still refused.
     refused = {
@@ -189,7 +189,7 @@ def learn_and_refuse(proxy: RunningProxy, port: int, tls: TLSUpstream) -> None:
     denied = {line["host"]: line["reason"] for line in lines if line["decision"] == "deny"}
     assert denied["denied-address.test"] == "operator_deny"
     assert denied["blocked.test"] == "blocked"
-    assert denied["new.test"] == "not_tls"
+    assert denied["new.test"] == "host_mismatch"
     # The refused addresses were never dialled: only 127.0.0.1 served the tunnel.
     assert tls.snapshot()[0] == 1
 

@@ -291,8 +291,6 @@ def test_the_reply_carries_the_address_the_upstream_connection_is_bound_to(
         assert reply.code == 0
         wait_for(lambda: upstream.peers, what="the upstream connection")
         assert reply.bound == upstream.peers[0]  # the proxy's end of that very connection
-        client.send(b"\x01")  # not TLS: the gate closes it, the upstream gets nothing
-        assert client.rest() == b""
     assert upstream.received == b""
 
 
@@ -581,7 +579,7 @@ def test_client_hello_never_sent_closes_after_the_header_timeout(session: Sessio
         elapsed = time.monotonic() - started
     assert HEADER_TIMEOUT - 0.1 <= elapsed < HEADER_TIMEOUT + 1.5
     denial = session.denial(client.port)
-    assert (denial["stage"], denial["reason"]) == ("sni", "header_timeout")
+    assert (denial["stage"], denial["reason"]) == ("stream", "header_timeout")
     assert upstream.received == b""
 
 
@@ -599,14 +597,31 @@ def test_sni_mismatch_closes_and_upstream_sees_no_hello(session: Session) -> Non
     assert upstream.received == b""
 
 
-@pytest.mark.parametrize("sent", [b"SSH-2.0-OpenSSH_9.6\r\n", request("up.test", 443)])
-def test_non_tls_bytes_are_refused(session: Session, sent: bytes) -> None:
+@pytest.mark.parametrize(
+    ("sent", "protocol"),
+    [(b"SSH-2.0-OpenSSH_9.6\r\n", "ssh"), (request("up.test", 443), "tcp")],
+    ids=["ssh", "tcp"],
+)
+def test_bytes_neither_tls_nor_http_are_an_opaque_stream(
+    session: Session, sent: bytes, protocol: str
+) -> None:
+    # No `ports` in this session's config: every port but 80 and 443 takes opaque streams.
     with recording() as upstream, Client(session.socks) as client:
         assert client.connect("up.test", upstream.port).code == 0
-        client.send(sent)  # a second SOCKS5 request is not TLS either
-        assert client.rest() == b""
-    assert session.denial(client.port)["reason"] == "not_tls"
-    assert upstream.received == b""
+        client.send(sent)  # a second SOCKS5 request is neither TLS nor HTTP either
+        wait_for(lambda: upstream.received == sent, what="the bytes relayed")
+    close = session.closed(client.port)
+    assert (close["protocol"], close["attribution"], close["bytes_up"]) == (
+        protocol,
+        "socks5",
+        len(sent),
+    )
+    (allowed,) = [x for x in session.decisions(client.port) if x["decision"] == "allow"]
+    assert (allowed["stage"], allowed["protocol"], allowed["host"]) == (
+        "stream",
+        protocol,
+        "up.test",
+    )
 
 
 def test_the_http_listener_still_works_beside_it(session: Session) -> None:

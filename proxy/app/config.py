@@ -22,6 +22,7 @@ from proxy.app.credentials import read_credentials
 from proxy.errors import ProxyError
 from proxy.settings import (
     ALL,
+    DEFAULT_ATTRIBUTION_GRACE,
     DEFAULT_CA_DIR,
     ECH_ALLOW,
     ECH_MODES,
@@ -38,10 +39,11 @@ __all__ = ["Config", "Limits", "Nameserver", "load_config", "parse_duration"]
 
 # Each section's keys (None: the section is a list or a scalar, not a mapping).
 SECTIONS: dict[str, tuple[str, ...] | None] = {
-    "dns": ("nameservers", "timeout"),
+    "dns": ("nameservers", "timeout", "attribution_grace"),
     "addresses": ("allow", "deny", "in_cluster"),
     "platform_destinations": None,
     "ports": None,
+    "opaque_ports": None,
     "inspection": ("enabled", "ca_dir", "upstream_ca", "mode", "trust_dir"),
     "tls": ("ech",),
     "limits": ("connect_timeout", "idle_timeout", "header_timeout", "max_connections"),
@@ -76,10 +78,15 @@ def load_config(data: bytes | str, *, source: str = "<config>") -> Config:
     def section(key: str) -> Section:
         return top.sub(key, SECTIONS[key] or ())
 
-    nameservers, dns_timeout = _dns(section("dns"))
+    dns = section("dns")
+    nameservers, dns_timeout = _dns(dns)
+    # Long-running clients keep an address well past its TTL (a connection pool, git's
+    # remote helper): this long after an answer expires, its address still names its host.
+    grace = dns.duration("attribution_grace", DEFAULT_ATTRIBUTION_GRACE)
     addresses = _addresses(section("addresses"))
     platform = _platform_destinations(top)
     ports = _ports(top)
+    opaque_ports = _opaque_ports(top, ports)
     enabled, ca_dir, upstream_ca, mode, trust_dir = _inspection(section("inspection"))
     ech = _tls(section("tls"))
     limits = _limits(section("limits"))
@@ -91,6 +98,7 @@ def load_config(data: bytes | str, *, source: str = "<config>") -> Config:
         addresses=addresses,
         platform_destinations=platform,
         ports=ports,
+        opaque_ports=opaque_ports,
         inspection_enabled=enabled,
         internal_suffixes=suffixes,
     )
@@ -107,6 +115,7 @@ def load_config(data: bytes | str, *, source: str = "<config>") -> Config:
         learn=learn,
         trust_dir=trust_dir,
         credentials=credentials,
+        attribution_grace=grace,
     )
 
 
@@ -200,6 +209,24 @@ def _ports(top: Section) -> frozenset[int] | None:
         # An empty allow-list would refuse every connection; far likelier a slip than intent.
         top.reader.problem("ports", [], "empty_list", "is empty; omit it to allow any port")
     return ports
+
+
+def _opaque_ports(top: Section, ports: frozenset[int] | None) -> frozenset[int] | None:
+    """The ports where a stream that is neither TLS nor HTTP may pass (None: the default, every
+    allowed port but 80 and 443; empty: none). Each must be a port `ports` allows: one it does
+    not would never be reached, which is a slip worth naming."""
+    opaque = top.ports("opaque_ports")
+    if opaque and ports is not None:
+        for path, value in top.items("opaque_ports"):
+            if isinstance(value, int) and value in opaque and value not in ports:
+                top.reader.problem(
+                    path,
+                    value,
+                    "invalid_value",
+                    f"port {value} is not in ports, which refuses it before any stream; add it "
+                    "there too",
+                )
+    return opaque
 
 
 def _inspection(inspection: Section) -> tuple[bool, str, str | None, str, str | None]:

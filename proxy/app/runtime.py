@@ -58,6 +58,7 @@ from proxy.app.checks import needs_restart, refuse_own_nameservers
 from proxy.app.inputs import Compiled, Inputs, compile_inputs, refuse_forbidden_learning
 from proxy.app.messages import LEARNING, PrintableFormatter, listening, try_it
 from proxy.dataplane.frontdoor import FrontDoor
+from proxy.decide.attribution import Attribution
 from proxy.decide.interception import engine_needed
 from proxy.decide.vetting import Vetter
 from proxy.dns.answers import DnsResponder
@@ -113,6 +114,9 @@ class Runtime:
         # denials reach it through the Vetters' audit sink without knowing it exists.
         self.denials = Denials()
         self.readiness = Readiness()
+        # Which addresses the session's DNS answered for which names: the DNS responder writes,
+        # the front door reads (connections that carry no name of their own).
+        self.attribution = Attribution(compiled.config.attribution_grace)
         self.engine: Engine | None = None
         self.trust: TrustFiles | None = None  # published once the CA is loaded
         self.front: FrontDoor | None = None
@@ -202,6 +206,7 @@ class Runtime:
                 self.metrics,
                 self.audit,
                 engine=self.engine_for_intercept,
+                attribution=self.attribution,
             )
             listeners = (*await self.front.start(self.listen), *dns_bound)
             # Every listener, the DNS ones included, is bound from here.
@@ -250,7 +255,7 @@ class Runtime:
             return ()
         limits = self.compiled.config.limits
         self.dns = DnsServer(
-            DnsResponder(self._l4_vetter(resolver), self.metrics),
+            DnsResponder(self._l4_vetter(resolver), self.metrics, self.attribution),
             ServerLimits(header_timeout=limits.header_timeout, idle_timeout=limits.idle_timeout),
         )
         return await self.dns.start(self.dns_listen)

@@ -178,7 +178,8 @@ def verify(options: VerifyOptions, out: TextIO) -> int:
 
 
 def verify_spec(options: VerifyOptions) -> ProbeSpec:
-    """The probes `boundary verify` runs: TCP to each probe address (must reach the proxy),
+    """The probes `boundary verify` runs: TCP to each probe address (must reach the proxy, and
+    an SSH stream to it must be refused by the proxy as naming no host),
     UDP and ICMP to each (must be refused locally), a DNS query for a denied name sent to the
     IPv4 probe address (redirected: must be refused), and the explicit proxy port if given."""
     from proxy.boundary.probes.spec import DnsProbe, IcmpProbe, ProbeSpec, TcpProbe, UdpProbe
@@ -190,6 +191,10 @@ def verify_spec(options: VerifyOptions) -> ProbeSpec:
         TcpProbe(f"tcp_{family}_direct_{port}", address, port)
         for family, address in families
         for port in dict.fromkeys(options.probe_ports)
+    ]
+    # A stream that names no host (SSH) to an address never resolved through the proxy.
+    tcp += [
+        TcpProbe(f"tcp_{family}_direct_ssh", address, 22, "ssh") for family, address in families
     ]
     if options.proxy_port is not None:
         tcp.append(TcpProbe("tcp_explicit_proxy", "127.0.0.1", options.proxy_port))

@@ -26,9 +26,10 @@ from proxy.errors import ProxyError
 from proxy.net.bytecount import Counter
 from proxy.net.pool import Pool
 from proxy.net.relay import Relay
-from proxy.reasons import Refused, refusal_response
+from proxy.reasons import Refused, refusal_response, refusal_ssh
 
 if TYPE_CHECKING:
+    from proxy.decide.attribution import Attribution
     from proxy.decide.events import AuditSink, MetricsSink
     from proxy.decide.interception import Interceptor
     from proxy.decide.vetting import Vetted, Vetter
@@ -84,6 +85,10 @@ class Connection(asyncio.Protocol):
         self.counter = Counter()
         self.counted = False  # connection_opened went to the metrics
         self.http: Quiesces | None = None  # the HTTP plane, once the bytes were plain HTTP
+        # How `host` was known (events.ATTRIBUTIONS), and every name DNS answered its address
+        # for when that was several.
+        self.attribution: str | None = None
+        self.attributed: tuple[str, ...] | None = None
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
@@ -234,6 +239,43 @@ class Connection(asyncio.Protocol):
         """The refusal in this listener's protocol: HTTP's 403 (or 4xx/5xx) by default."""
         self.transport.write(refusal_response(refused, host or "proxy", port))
 
+    def refuse_stream(
+        self, refused: Refused, kind: str, *, record: bool = True, **context: Any
+    ) -> None:
+        """A connection refused once its first bytes said what it is (`kind`, a FirstFlight),
+        after any answer of the listener's own protocol: its decision line (unless written),
+        then the refusal in the stream's protocol: SSH gets our identification string and a
+        disconnect naming the reason and remedy, TLS what the listener sends for it
+        (`answer_tls_refusal`), anything else a reset, so nothing is left hanging."""
+        host, port = self.host, self.port
+        if record:
+            context = {**self.attribution_context(), **context}
+            self.door.vetter.refusal(
+                refused, self.peer, host, port, self.protocol, stage="stream", **context
+            )
+        self.reason = refused.reason
+        self.cancel_timer()
+        if self.gone:
+            return
+        if kind == "ssh":
+            self.transport.write(refusal_ssh(refused, host, port))
+        elif kind == "tls":
+            self.answer_tls_refusal(refused)
+        else:
+            self.transport.abort()
+            return
+        self.transport.close()
+
+    def answer_tls_refusal(self, refused: Refused) -> None:
+        """What a refused TLS client reads after its ClientHello: nothing by default (a tunnel
+        whose 200 or SOCKS5 reply went out is closed)."""
+
+    def attribution_context(self) -> dict[str, Any]:
+        """How the host was known, for a decision line."""
+        if self.attribution is None:
+            return {}
+        return {"attribution": self.attribution, "attributed": self.attributed}
+
     def close(self) -> None:
         """Closes the client (what is buffered for it is written first); the close line follows
         from connection_lost."""
@@ -326,6 +368,8 @@ class Connection(asyncio.Protocol):
                     duration=duration,
                     reason=reason,
                     pinned=self.pinned or None,
+                    attribution=self.attribution,
+                    attributed=self.attributed,
                 )
             )
 
@@ -358,8 +402,11 @@ class Door:
         metrics: MetricsSink | None,
         audit: AuditSink | None,
         engine: Callable[[], Awaitable[Interceptor]],
+        attribution: Attribution | None = None,
     ) -> None:
         self.vetter = vetter
+        # The session DNS responder's answers, for connections that carry no name.
+        self.attribution = attribution
         self.config = config
         self.metrics = metrics
         self.audit = audit

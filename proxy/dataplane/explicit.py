@@ -1,21 +1,18 @@
 """The explicit proxy listener (`--listen HOST:PORT`, `http://`): a CONNECT is a tunnel, decided
-and relayed here; any other request is plain HTTP, forwarded by the HTTP plane; a CONNECT that is
-intercepted (its host's rules decide paths, or `inspection.mode: all`) is vetted, answered 200
-and SNI-gated here, then served by the interception engine."""
+and dialled here, answered 200, then carried as what its first bytes say it is (TLS through the
+SNI gate, plain HTTP through the HTTP plane, an opaque stream on the operator's `opaque_ports`:
+proxy/dataplane/streams.py); any other request is plain HTTP, forwarded by the HTTP plane; a
+CONNECT that is intercepted (its host's rules decide paths, or `inspection.mode: all`) is vetted
+before its 200 and its ClientHello served by the interception engine. A CONNECT to an address
+the session's DNS answered for allowed names is decided on those names (`attribution: dns`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from proxy.dataplane import tunnel
+from proxy.dataplane import streams
 from proxy.dataplane.connection import Connection
 from proxy.dataplane.heads import ConnectHead, head_state, parse_connect
 from proxy.dataplane.http import HttpPlane
-from proxy.decide.interception import intercepted
 from proxy.reasons import Refused, authority
-
-if TYPE_CHECKING:
-    from policy import Decision
 
 ESTABLISHED = b"HTTP/1.1 200 Connection established\r\n\r\n"
 
@@ -42,71 +39,17 @@ class Explicit(Connection):
         HttpPlane(self, transparent=False).start()
 
     def connect(self, head: ConnectHead) -> None:
-        target = authority(head.host, head.port)
-        decision = self.door.vetter.decide(target)
         self.protocol = "connect"
+        self.attribution = "connect"
         del self.buffer[: len(self.buffer) - len(head.rest)]
-        if intercepted(decision, self.door.config):
-            self.spawn(self._intercept(target, head.host, head.port, decision))
-            return
-        self.spawn(self._tunnel(target, head.host, head.port, decision))
-
-    async def _intercept(self, target: str, host: str, port: int, decision: Decision) -> None:
-        """Vetted (DNS once, address stage) before the 200, SNI-gated after it, then the
-        engine's: it dials the checked addresses when the first request inside needs them."""
-        try:
-            vetted = await tunnel.vet(
-                self, target, port, decision, inspecting=True, method="CONNECT"
+        target = authority(head.host, head.port)
+        self.spawn(
+            streams.open_tunnel(
+                self, target, head.host, head.port, what="CONNECT host", method="CONNECT"
             )
-        except Refused as refused:
-            self.refuse(refused, host, port, stage="", record=False)
-            return
+        )
+
+    def answer_success(self, bound: tuple[str, int] | None) -> bool:
         self.answered = True
         self.transport.write(ESTABLISHED)
-        if await self._gate(vetted.decision.host, port):
-            await self.door.intercept(self)
-
-    async def _gate(self, host: str, port: int) -> bool:
-        """The SNI gate on the ClientHello after the 200: True when it passed (its allow line
-        written), False when the connection is closed (refused, or the client went first)."""
-        outcome = await tunnel.client_hello(self, host)
-        if outcome is None:
-            return False
-        self.sni = outcome.sni
-        if outcome.refused is not None:
-            self.door.vetter.refusal(
-                outcome.refused, self.peer, host, port, self.protocol,
-                stage="sni", sni=self.sni, ech=outcome.ech, vetted=self.vetted,
-            )  # fmt: skip
-            self.reason = outcome.refused.reason
-            self.close()
-            return False
-        self.door.vetter.allowed(
-            self.peer,
-            self.protocol,
-            stage="sni",
-            ech=outcome.ech,
-            vetted=self.vetted,
-            port=port,
-            sni=self.sni,
-        )
         return True
-
-    async def _tunnel(self, target: str, host: str, port: int, decision: Decision) -> None:
-        try:
-            dialled = await tunnel.dial(self, target, port, decision, method="CONNECT")
-        except Refused as refused:
-            self.refuse(refused, host, port, stage="", record=False)
-            return
-        try:
-            self.answered = True
-            self.transport.write(ESTABLISHED)
-            if not await self._gate(dialled.name, port):
-                dialled.transport.close()
-                self.close()
-                return
-            tunnel.relay(self, dialled)
-        except BaseException:
-            if self.relay is None:
-                dialled.transport.abort()
-            raise

@@ -33,6 +33,7 @@ from proxy.netaddr import Listener
 
 if TYPE_CHECKING:
     from policy import Policy
+    from proxy.decide.attribution import Attribution
     from proxy.decide.events import AuditSink, MetricsSink
     from proxy.decide.interception import Interceptor
     from proxy.decide.vetting import Vetter
@@ -54,8 +55,9 @@ class FrontDoor:
         audit: AuditSink | None = None,
         *,
         engine: Callable[[], Awaitable[Interceptor]],
+        attribution: Attribution | None = None,
     ) -> None:
-        self.door = Door(vetter, config, metrics, audit, engine)
+        self.door = Door(vetter, config, metrics, audit, engine, attribution)
         self.listeners: tuple[Listener, ...] = ()
         self._servers: list[asyncio.Server] = []
 
@@ -76,6 +78,8 @@ class FrontDoor:
         self.door.config = dataclasses.replace(
             self.door.config, tls_ech=config.tls_ech, credentials=config.credentials
         )
+        if self.door.attribution is not None:
+            self.door.attribution.grace = config.attribution_grace
 
     # -- life cycle --------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """Plain HTTP through the front door: forward proxying on an explicit listener (absolute-form
-requests) and redirected HTTP on a transparent one (origin form, the name from Host, the port the
-client dialled). The client's bytes are parsed by httptools (llhttp, strict: smuggling refused);
+requests), redirected HTTP on a transparent one (origin form, the name from Host, the port the
+client dialled), and plain HTTP inside a CONNECT or SOCKS5 tunnel (the same, its Host naming
+the tunnel's host). The client's bytes are parsed by httptools (llhttp, strict: smuggling refused);
 each request is decided on its own, in order, before anything goes upstream:
 
 1. the request itself: HTTP/1.0 or 1.1, not CONNECT, its target; every upgrade but WebSocket is
@@ -58,11 +59,20 @@ LINGER: Final = 2.0
 class HttpPlane(asyncio.Protocol):
     """The client transport's protocol once its first bytes turned out to be plain HTTP."""
 
-    def __init__(self, conn: Connection, *, transparent: bool) -> None:
+    def __init__(
+        self,
+        conn: Connection,
+        *,
+        transparent: bool,
+        tunnel_hosts: tuple[str, ...] | None = None,
+    ) -> None:
         self.conn = conn
         self.door = conn.door
         self.transport = conn.transport
         self.transparent = transparent
+        # Inside a tunnel (plain HTTP after a CONNECT or SOCKS5 request): every request's Host
+        # must name its host (one of them, for an address DNS answered for several).
+        self.tunnel_hosts = tunnel_hosts
         self.loop = asyncio.get_running_loop()
         self.parser = httptools.HttpRequestParser(self)
         self.requests: deque[Request] = deque()  # parsed, not yet answered; [0] is served
@@ -88,6 +98,8 @@ class HttpPlane(asyncio.Protocol):
         conn.cancel_timer()
         conn.owned = True
         conn.http = self
+        if conn.attribution is None:
+            conn.attribution = "host"  # each request names its host
         self.transport.set_protocol(self)
         self.transport.set_write_buffer_limits(high=256 << 10)
         limit = self.door.config.limits.idle_timeout
@@ -268,6 +280,7 @@ class HttpPlane(asyncio.Protocol):
         context: dict[str, Any],
     ) -> Refused:
         conn = self.conn
+        context = {**conn.attribution_context(), **context}
         conn.door.vetter.refusal(
             refused, conn.peer, host, port, conn.protocol, stage=stage, **context
         )

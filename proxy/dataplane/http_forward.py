@@ -33,6 +33,7 @@ class Plane(Client, Protocol):
 
     door: Door
     transparent: bool
+    tunnel_hosts: tuple[str, ...] | None
     exchange: Exchange | None
 
     def refusal(
@@ -53,13 +54,17 @@ async def serve(plane: Plane, request: Request) -> bool:
     """One request, decided and forwarded (or refused); False when the connection ends."""
     head = request.head
     conn = plane.conn
-    context: dict[str, Any] = {"method": head.method, "path": head.target}
+    context: dict[str, Any] = {
+        "method": head.method,
+        "path": head.target,
+        **conn.attribution_context(),
+    }
     host: str | None = None
     port = conn.port if plane.transparent else None
     try:
         if request.refused is not None:
             raise plane.refusal(request.refused, None, port, "request", context)
-        host, port, path = destination(request, port, context)
+        host, port, path = destination(request, port, context, plane.tunnel_hosts)
         url = f"http://{authority(host, port)}{path}"
         vetted = await tunnel.vet(conn, url, port, conn.door.vetter.decide(url), **context)
         name = vetted.decision.host

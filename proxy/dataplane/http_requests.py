@@ -13,6 +13,7 @@ from typing import Any, Protocol
 from policy.reasons import Reason
 from proxy.dataplane.http_messages import RequestHead, absolute_target, has_field
 from proxy.decide.http_checks import check_host, check_upgrade, parse_host_field
+from proxy.decide.vetting import canonical_host
 from proxy.reasons import Refused, authority, shown
 
 
@@ -66,12 +67,15 @@ class Rejected(Exception):
 
 
 def destination(
-    request: Request, original_port: int | None, context: dict[str, Any]
+    request: Request,
+    original_port: int | None,
+    context: dict[str, Any],
+    tunnel_hosts: tuple[str, ...] | None = None,
 ) -> tuple[str, int, str]:
     """Host (as written), port and path (as sent) of a request: from its absolute-form target
     on an explicit listener (`original_port` None), from its Host field and the port the client
-    dialled on a transparent one. Sets `context["path"]` to the path as an origin reads it.
-    Raises Rejected."""
+    dialled on a transparent one or inside a tunnel, whose host it must name (`tunnel_hosts`,
+    canonical). Sets `context["path"]` to the path as an origin reads it. Raises Rejected."""
     head = request.head
     port = original_port
     if head.version not in ("1.0", "1.1"):
@@ -96,6 +100,13 @@ def destination(
             raise Rejected(refused, "host", None, port)
         host, path = named[0], head.target
         port = original_port
+        if tunnel_hosts is not None and canonical_host(host) not in tunnel_hosts:
+            refused = Refused(
+                403,
+                Reason.HOST_MISMATCH,
+                f"Host {shown(host)!r} is not the tunnel's host {tunnel_hosts[0]!r}",
+            )
+            raise Rejected(refused, "host", host, port)
     else:
         target = absolute_target(head.target)
         if isinstance(target, Refused):

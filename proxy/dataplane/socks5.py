@@ -5,13 +5,16 @@
     client: 05 01 00 03 07 'pypi.org' 01 BB   CONNECT pypi.org:443 (ATYP 1 IPv4, 3 name, 4 IPv6)
     proxy:  05 00 00 01 <BND.ADDR> <BND.PORT> once decided, resolved and dialled; then TLS
 
-The destination is decided, resolved and dialled before the reply (tunnel.dial), so the reply
-code says what happened: 0x02 for a denial (nothing dialled; a denied name is never looked up),
-0x04 for a DNS failure or an upstream that did not answer the connect in time, 0x05 when every
-checked address refused. Success carries the address the upstream connection is bound to. What
-the client sends next goes through the SNI gate and the relay of a CONNECT tunnel; a host whose
+The destination is decided, resolved and dialled before the reply (streams.open_tunnel), so the
+reply code says what happened: 0x02 for a denial (nothing dialled; a denied name is never looked
+up), 0x04 for a DNS failure or an upstream that did not answer the connect in time, 0x05 when
+every checked address refused. Success carries the address the upstream connection is bound to.
+What the client sends next is carried as on a CONNECT tunnel (proxy/dataplane/streams.py: TLS
+through the SNI gate, plain HTTP, an opaque stream on the operator's `opaque_ports`); a host whose
 rules need inspection is resolved and checked before the reply too, and handed to the
-interception engine (Door.intercept) once its ClientHello passed the gate.
+interception engine (Door.intercept) once its ClientHello passed the gate. A request of type 1
+or 4 (an address) that the session's DNS answered for allowed names is decided on those names and
+dialled to that address (`attribution: dns`); any other address is decided as an IP literal.
 
 Parsed strictly, judged on the bytes as they arrive, the greeting and the request timed
 together by `limits.header_timeout` (like a CONNECT head): BIND and UDP ASSOCIATE are 0x07, an
@@ -34,19 +37,14 @@ import re
 import socket
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from policy import PolicyError
 from policy.hostnames import normalize_host
 from policy.reasons import Reason
-from proxy.dataplane import tunnel
+from proxy.dataplane import streams
 from proxy.dataplane.connection import Connection
-from proxy.decide.interception import intercepted
 from proxy.reasons import Refused, authority, shown
-
-if TYPE_CHECKING:
-    from policy import Decision
-    from proxy.decide.vetting import Vetted
 
 VERSION: Final = 5
 NO_AUTHENTICATION: Final = 0x00
@@ -285,46 +283,12 @@ class Socks5(Connection):
         self.connect(request.host, request.port)
 
     def connect(self, host: str, port: int) -> None:
-        target = authority(host, port)
-        decision = self.door.vetter.decide(target)
-        if intercepted(decision, self.door.config):
-            self.spawn(self._intercept(target, host, port, decision))
-        else:
-            self.spawn(self._tunnel(target, host, port, decision))
+        self.attribution = "socks5"
+        self.spawn(streams.open_tunnel(self, authority(host, port), host, port, what=_WHAT))
 
-    async def _tunnel(self, target: str, host: str, port: int, decision: Decision) -> None:
-        try:
-            dialled = await tunnel.dial(self, target, port, decision)
-        except Refused as refused:
-            self.refuse(refused, host, port, stage="", record=False)
-            return
-        try:
-            if not self._succeeded(dialled.transport.get_extra_info("sockname")):
-                dialled.transport.close()
-                return
-            if not await self._gate(dialled.name, port, dialled.vetted):
-                dialled.transport.close()
-                return
-            tunnel.relay(self, dialled)
-        except BaseException:
-            if self.relay is None:
-                dialled.transport.abort()
-            raise
-
-    async def _intercept(self, target: str, host: str, port: int, decision: Decision) -> None:
-        """A host the engine intercepts: DNS once, the address stage and the loop guard before
-        the reply, as for a tunnel; the engine dials the checked addresses itself."""
-        try:
-            vetted = await tunnel.vet(self, target, port, decision, inspecting=True)
-        except Refused as refused:
-            self.refuse(refused, host, port, stage="", record=False)
-            return
-        # No upstream connection yet, so no bound address to report: 0.0.0.0:0.
-        if self._succeeded(None) and await self._gate(vetted.decision.host, port, vetted):
-            await self.door.intercept(self)
-
-    def _succeeded(self, bound: tuple[str, int] | None) -> bool:
-        """The success reply, unless the client sent bytes before it (then refused)."""
+    def answer_success(self, bound: tuple[str, int] | None) -> bool:
+        """The success reply (0.0.0.0:0 when the engine dials later), unless the client sent
+        bytes before it (then refused)."""
         if self.buffer:
             self.refuse(_early_bytes(self.buffer), self.host, self.port, stage="request")
             return False
@@ -332,32 +296,8 @@ class Socks5(Connection):
         self.transport.write(reply(SUCCEEDED, bound))
         return True
 
-    async def _gate(self, name: str, port: int, vetted: Vetted) -> bool:
-        """The SNI gate on what the client sends first; False when it refused (or the client
-        ended), the connection closed and its lines written."""
-        outcome = await tunnel.client_hello(self, name, what="SOCKS5 host")
-        if outcome is None:
-            self.close()
-            return False
-        self.sni = outcome.sni
-        if outcome.refused is not None:
-            self.door.vetter.refusal(
-                outcome.refused, self.peer, name, port, self.protocol,
-                stage="sni", sni=self.sni, ech=outcome.ech, vetted=vetted,
-            )  # fmt: skip
-            self.reason = outcome.refused.reason
-            self.close()
-            return False
-        self.door.vetter.allowed(
-            self.peer,
-            self.protocol,
-            stage="sni",
-            ech=outcome.ech,
-            vetted=vetted,
-            port=port,
-            sni=self.sni,
-        )
-        return True
+
+_WHAT = "SOCKS5 host"
 
 
 def _early_bytes(data: bytes | bytearray) -> Refused:

@@ -1,23 +1,37 @@
 """Transparent listeners (`transparent://HOST:PORT`, `--mode transparent`): connections netfilter
-redirected to us (REDIRECT/DNAT). TLS is decided on its SNI and relayed to a checked address of
-that name, never to the original destination, which is read only for its port; a TLS connection
-that is intercepted (its host's rules decide paths, or `inspection.mode: all`) is vetted here and
-then served by the interception engine, exactly as an explicit one. Plain HTTP is decided on its
-Host header by the HTTP plane. No SNI, no Host, or a connection that was not redirected: refused.
+redirected to us (REDIRECT/DNAT). What the client sends first says what the connection is
+(proxy/decide/first_flight.py):
+
+- TLS is decided on its SNI and relayed to a checked address of that name, never to the original
+  destination, which is read only for its port; a TLS connection that is intercepted (its host's
+  rules decide paths, or `inspection.mode: all`) is vetted here and then served by the
+  interception engine, exactly as an explicit one;
+- plain HTTP is decided on its Host header by the HTTP plane;
+- anything else (SSH, a database, SMTP) carries no name: it is attributed by DNS, to the names
+  the session's DNS responder answered the original destination for (proxy/decide/attribution.py),
+  decided on those names and the port as an `ssh` or `tcp` stream (the operator's `opaque_ports`),
+  and relayed to that very address, which was checked when it was answered. An address the
+  session never got from our DNS is refused (`unattributed`).
+
+Where an opaque stream to an attributed address would pass, the upstream is dialled at once and
+what it sends reaches the client before the client speaks (server-first protocols); the
+client's bytes still wait for the decision. A connection that was not redirected is refused.
 The client asked nothing of a proxy, so a refusal speaks the client's own protocol: a TLS
 connection refused after its ClientHello gets a fatal TLS alert (`access_denied`, or
-`internal_error` when the upstream or DNS failed) before the close; one refused before anything
+`internal_error` when the upstream or DNS failed) before the close; SSH our identification
+string and a disconnect naming the reason; any other stream a reset; one refused before anything
 was read is closed. Its decision and close lines say why."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING
 
 from policy.reasons import Reason
-from proxy.dataplane import tunnel
+from proxy.dataplane import streams, tunnel
 from proxy.dataplane.connection import Connection
 from proxy.dataplane.http import HttpPlane
-from proxy.decide.clienthello import starts_like_tls
+from proxy.decide.first_flight import FirstFlight, is_opaque
 from proxy.decide.interception import intercepted
 from proxy.decide.sni_gate import read_hello
 from proxy.net.sockets import original_destination
@@ -25,10 +39,15 @@ from proxy.reasons import Refused, authority, refusal_alert
 
 if TYPE_CHECKING:
     from policy import Decision
+    from proxy.decide.sni_gate import GateOutcome
 
 
 class Transparent(Connection):
     protocol = "tls"
+
+    original: str | None = None  # the address the client connected to
+    # The refusal of an attributed opaque stream, found before the client spoke.
+    early_refusal: Refused | None = None
 
     def begin(self) -> None:
         try:
@@ -45,26 +64,98 @@ class Transparent(Connection):
             )
             self.refuse(refused, None, None, stage="accept")
             return
-        self.port = original[1]
-        self.arm_timer(self.door.config.limits.header_timeout)
+        self.original, self.port = original
+        self.spawn(self._serve())
 
     def answer_refusal(self, refused: Refused, host: str | None, port: int | None) -> None:
         # Only after a TLS record arrived: then the client's TLS stack reads the alert.
         if self.buffer[:1] == b"\x16":
             self.transport.write(refusal_alert(refused))
 
-    def received(self) -> None:
-        data = bytes(self.buffer)
-        if not starts_like_tls(data):  # judged on what is there, even one byte
-            self.cancel_timer()
-            self.plain_http()
+    def answer_tls_refusal(self, refused: Refused) -> None:
+        self.transport.write(refusal_alert(refused))
+
+    async def _serve(self) -> None:
+        assert self.original is not None and self.port is not None
+        dialled = await self._server_first(self.original, self.port)
+        try:
+            kind = await streams.first_flight(self, patient=dialled is not None)
+        except BaseException:
+            streams.drop(dialled)
+            raise
+        if kind is None or isinstance(kind, Refused):
+            streams.drop(dialled)
+            if kind is None:
+                self.close()
+            else:
+                self.refuse(kind, None, None, stage="accept")
             return
-        # The SNI gate of every plane; the SNI names the host here. `tls.ech` as it is now: a
-        # reload applies to later connections.
-        outcome = read_hello(data, ech=self.door.config.tls_ech)
+        if kind == FirstFlight.HTTP and self.counter.down:
+            kind = FirstFlight.TCP  # the server spoke first: no HTTP exchange begins like that
+        if not is_opaque(kind):
+            streams.drop(dialled)
+            self.attribution = self.attributed = None
+            self.protocol = "tls"
+            if kind == FirstFlight.HTTP:
+                self.plain_http()
+            else:
+                await self._tls()
+            return
+        await self._opaque(kind, dialled)
+
+    async def _server_first(self, address: str, port: int) -> tunnel.Dialled | None:
+        """The upstream dialled before the client speaks, its bytes sent on as they come, when
+        an opaque stream to this attributed address would pass; else None (the client's bytes
+        decide, and any refusal is theirs to read first)."""
+        names = tunnel.attributed_names(self, address)
+        if not names:
+            return None
+        for name in names:
+            if streams.stream_decision(self, FirstFlight.TCP, name, port).allowed:
+                break
+        else:
+            return None
+        self.protocol = FirstFlight.TCP
+        try:
+            vetted = tunnel.vet_by_address(self, address, port, scheme=FirstFlight.TCP)
+            dialled = await tunnel.dial_vetted(self, vetted, port)
+        except Refused as refused:
+            # Its line is written: an opaque stream is refused so without deciding again; TLS
+            # and HTTP name their host themselves.
+            self.early_refusal = refused
+            return None
+        dialled.upstream.forward_to(self.transport, self.counter)
+        return dialled
+
+    def plain_http(self) -> None:
+        self.protocol = "http"
+        HttpPlane(self, transparent=True).start()
+
+    async def _opaque(self, kind: FirstFlight, dialled: tunnel.Dialled | None) -> None:
+        """A stream that names no host: attributed to the names the session's DNS answered its
+        address for, decided on them (`kind` on this port), relayed to that address."""
+        assert self.original is not None and self.port is not None
+        self.protocol = kind
+        if self.early_refusal is not None:
+            self.refuse_stream(self.early_refusal, kind, record=False)
+            return
+        vetted = self.vetted if dialled is not None else None
+        if vetted is None:
+            if not tunnel.attributed_names(self, self.original):
+                self.refuse_stream(tunnel.unattributed(self.original, self.port), kind)
+                return
+            try:
+                vetted = tunnel.vet_by_address(self, self.original, self.port, scheme=kind)
+            except Refused as refused:
+                self.refuse_stream(refused, kind, record=False)
+                return
+        await streams.opaque(self, kind, vetted, self.port, dialled)
+
+    async def _tls(self) -> None:
+        """The ClientHello read whole (the header timer bounds it), its SNI naming the host."""
+        outcome = await self._hello()
         if outcome is None:
-            return  # split across reads: the header timer still runs
-        self.cancel_timer()
+            return
         self.ech = outcome.ech
         if outcome.refused is not None:
             # `host`: the SNI's, when the hello named one (an ECH refusal); else None.
@@ -74,19 +165,36 @@ class Transparent(Connection):
             )  # fmt: skip
             return
         self.sni = outcome.sni
+        self.attribution = "sni"
         host = outcome.host
         assert host is not None
         assert self.port is not None
         target = authority(host, self.port)
         decision = self.door.vetter.decide(target)
         if intercepted(decision, self.door.config):
-            self.spawn(self._intercept(target, self.port, decision))
+            await self._intercept(target, self.port, decision)
             return
-        self.spawn(self._tunnel(target, self.port, decision))
+        await self._tunnel(target, self.port, decision)
 
-    def plain_http(self) -> None:
-        self.protocol = "http"
-        HttpPlane(self, transparent=True).start()
+    async def _hello(self) -> GateOutcome | None:
+        """The gate's outcome on the whole ClientHello; None when the client ended first."""
+        # `tls.ech` as it is now: a reload applies to later connections.
+        ech = self.door.config.tls_ech
+        outcome = read_hello(self.buffer, ech=ech)
+        if outcome is not None:
+            return outcome
+        try:
+            async with asyncio.timeout(self.door.config.limits.header_timeout):
+                while outcome is None:
+                    if not await self.more():
+                        self.close()
+                        return None
+                    outcome = read_hello(self.buffer, ech=ech)
+        except TimeoutError:
+            refused = Refused(408, Reason.HEADER_TIMEOUT, "no ClientHello within the time limit")
+            self.refuse(refused, None, None, stage="accept")
+            return None
+        return outcome
 
     async def _intercept(self, target: str, port: int, decision: Decision) -> None:
         """The hello is read and gated (its SNI named the host): vetted here, then the
@@ -100,7 +208,7 @@ class Transparent(Connection):
             return
         self.door.vetter.allowed(
             self.peer, self.protocol, stage="sni", vetted=vetted, port=port, sni=self.sni,
-            ech=self.ech,
+            ech=self.ech, **self.attribution_context(),
         )  # fmt: skip
         await self.door.intercept(self)
 
@@ -112,6 +220,6 @@ class Transparent(Connection):
             return
         self.door.vetter.allowed(
             self.peer, self.protocol, stage="sni", vetted=dialled.vetted, port=port, sni=self.sni,
-            ech=self.ech,
+            ech=self.ech, **self.attribution_context(),
         )  # fmt: skip
         tunnel.relay(self, dialled)

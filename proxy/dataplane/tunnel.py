@@ -1,10 +1,16 @@
 """The steps every tunnel takes, whichever listener accepted it (CONNECT, SOCKS5, transparent):
 DNS once and the address stage on a name already decided, the loop guard, the dial of the
-checked addresses, the SNI gate on the ClientHello, and the relay with its close line.
+checked addresses, the SNI gate on a ClientHello, and the relay with its close line. What the
+client's first bytes say a tunnel is, and so which of these it takes, is
+proxy/dataplane/streams.py's.
 
-    dialled = await dial(connection, target, port, decision)         # raises Refused
-    outcome = await client_hello(connection, dialled.name)            # the SNI gate
-    relay(connection, dialled)                # the hello and all after it, first
+    dialled = await dial(connection, target, port, decision)     # raises Refused
+    ... the listener's own answer (200, a SOCKS5 reply), then proxy/dataplane/streams.py ...
+    if await gate(connection, dialled.name, port, dialled.vetted, what="CONNECT host"):
+        relay(connection, dialled)                # the hello and all after it, first
+
+A destination may also be known by its address alone (`vet_by_address`): the names the
+session's DNS answered it for (proxy/decide/attribution.py).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from policy.reasons import Reason
+from proxy.decide.first_flight import FirstFlight
 from proxy.decide.sni_gate import GateOutcome, check_hello
 from proxy.net.dialing import Upstream, UpstreamError, connect_upstream, dial_checked
 from proxy.net.relay import Relay
@@ -31,6 +38,12 @@ class Dialled:
     transport: asyncio.Transport
     upstream: Upstream
     vetted: Vetted
+
+
+def _with_attribution(connection: Connection, context: dict[str, Any]) -> dict[str, Any]:
+    if connection.attribution is not None:
+        return {**connection.attribution_context(), **context}
+    return context
 
 
 async def vet(
@@ -51,6 +64,7 @@ async def vet(
     vetter = door.vetter
     peer, protocol = connection.peer, connection.protocol
     connection.target = target
+    context = _with_attribution(connection, context)
     vetted = await vetter.vet(
         target,
         port,
@@ -61,6 +75,58 @@ async def vet(
         final=False,
         **context,
     )
+    _vetted(connection, vetted, port, context)
+    return vetted
+
+
+def vet_by_address(
+    connection: Connection, address: str, port: int, *, scheme: str | None = None, **context: Any
+) -> Vetted:
+    """A tunnel to an address the session's DNS answered for some names (a SOCKS5 request of
+    type 1 or 4, a CONNECT to an address): the names decided (the first allowed one is the
+    tunnel's host), the address stage on that address alone, and the loop guard. Refused as
+    `unattributed` when the session's DNS never answered with it. Raises Refused after its
+    line. `scheme`: the names are decided for a stream of that kind (`ssh`, `tcp`)."""
+    door = connection.door
+    names = attributed_names(connection, address)
+    if not names:
+        refused = unattributed(address, port)
+        door.vetter.refusal(refused, connection.peer, address, port, connection.protocol,
+                            stage="name", **context)  # fmt: skip
+        raise refused
+    context = _with_attribution(connection, context)
+    vetted = door.vetter.vet_attributed(
+        names, address, port, connection.peer, connection.protocol, scheme=scheme, **context
+    )
+    where = authority(vetted.decision.host, port)
+    connection.target = f"{scheme}://{where}" if scheme else where
+    _vetted(connection, vetted, port, context)
+    return vetted
+
+
+def attributed_names(connection: Connection, address: str) -> tuple[str, ...]:
+    """The names the session's DNS answered `address` for (the most recent first), noted on the
+    connection (`attribution: dns`, every name in `attributed` when there are several)."""
+    table = connection.door.attribution
+    names = table.names(address) if table is not None else ()
+    if names:
+        connection.attribution = "dns"
+        connection.attributed = names if len(names) > 1 else None
+    return names
+
+
+def unattributed(address: str, port: int) -> Refused:
+    return Refused(
+        403,
+        Reason.UNATTRIBUTED,
+        f"{authority(address, port)}: the session's DNS never answered with this address, so it "
+        "names no host",
+    )
+
+
+def _vetted(connection: Connection, vetted: Vetted, port: int, context: dict[str, Any]) -> None:
+    """The destination vetted this far, on the connection; refused if it is our own listener."""
+    door = connection.door
     name = vetted.decision.host
     connection.host, connection.port, connection.pinned = name, port, vetted.pinned
     connection.vetted = vetted
@@ -68,11 +134,11 @@ async def vet(
         refused = Refused(
             403, Reason.PROXY_LOOP, f"{authority(name, port)} is this proxy's own listener"
         )
-        vetter.refusal(
-            refused, peer, name, port, protocol, stage="address", vetted=vetted, **context
-        )
+        door.vetter.refusal(
+            refused, connection.peer, name, port, connection.protocol, stage="address",
+            vetted=vetted, **context,
+        )  # fmt: skip
         raise refused
-    return vetted
 
 
 async def dial(
@@ -84,15 +150,18 @@ async def dial(
 ) -> Dialled:
     """`vet`, then the dial of the checked addresses. Raises Refused after its audit line is
     written."""
-    door = connection.door
-    vetter = door.vetter
-    peer, protocol = connection.peer, connection.protocol
     vetted = await vet(connection, target, port, decision, **context)
+    return await dial_vetted(connection, vetted, port, **context)
+
+
+async def dial_vetted(connection: Connection, vetted: Vetted, port: int, **context: Any) -> Dialled:
+    """The dial of a vetted destination's checked addresses. Raises Refused after its line."""
+    door = connection.door
     name = vetted.decision.host
     try:
         transport, upstream = await dial_checked(
             name,
-            connection.pinned,
+            vetted.pinned,
             port,
             connect_upstream,
             timeout=door.config.limits.connect_timeout,
@@ -101,13 +170,55 @@ async def dial(
     except UpstreamError as exc:
         status = 504 if exc.reason == Reason.UPSTREAM_TIMEOUT else 502
         refused = Refused(status, exc.reason, exc.message, error=True)
-        vetter.refusal(
-            refused, peer, name, port, protocol, stage="upstream", vetted=vetted, **context
-        )
+        door.vetter.refusal(
+            refused, connection.peer, name, port, connection.protocol, stage="upstream",
+            vetted=vetted, **_with_attribution(connection, context),
+        )  # fmt: skip
         raise refused from None
     address = transport.get_extra_info("peername")
     connection.upstream = authority(address[0], address[1])
     return Dialled(name, transport, upstream, vetted)
+
+
+async def gate(connection: Connection, name: str, port: int, vetted: Vetted, *, what: str) -> bool:
+    """The SNI gate on the ClientHello the client sends first: True when it passed (its allow
+    line written), False when the connection is closed (refused, or the client went first)."""
+    outcome = await client_hello(connection, name, what=what)
+    if outcome is None:
+        connection.close()
+        return False
+    connection.sni = outcome.sni
+    refused = outcome.refused
+    if refused is not None and refused.reason == Reason.SNI_MISMATCH:
+        refused = _another_attributed(connection, outcome, port)
+    vetter = connection.door.vetter
+    if refused is not None:
+        vetter.refusal(
+            refused, connection.peer, name, port, connection.protocol, stage="sni",
+            sni=connection.sni, ech=outcome.ech, vetted=vetted,
+            **connection.attribution_context(),
+        )  # fmt: skip
+        connection.refuse_stream(refused, FirstFlight.TLS, record=False)
+        return False
+    vetter.allowed(
+        connection.peer, connection.protocol, stage="sni", ech=outcome.ech, vetted=vetted,
+        port=port, sni=connection.sni, **connection.attribution_context(),
+    )  # fmt: skip
+    return True
+
+
+def _another_attributed(connection: Connection, outcome: GateOutcome, port: int) -> Refused | None:
+    """An SNI that is not the tunnel's host, passed when the tunnel's address was answered for
+    several names and the SNI is another of them, allowed itself (on the same address)."""
+    names = connection.attributed
+    host = outcome.host
+    if not names or host is None or host not in names:
+        return outcome.refused
+    decision = connection.door.vetter.decide(authority(host, port))
+    if not decision.allowed or decision.needs_inspection:
+        return outcome.refused
+    connection.host = host
+    return None
 
 
 async def client_hello(

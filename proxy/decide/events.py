@@ -194,6 +194,24 @@ def _head(kind: str, event: DecisionEvent | CloseEvent, f: _Fields, session: str
 _ECH = ',"ech":true'
 _CREDENTIAL = ',"credential":'
 
+# How a connection's host was known: the TLS SNI, an HTTP Host (or request target), a CONNECT
+# head, a SOCKS5 request's name, or the session's DNS answers for the address it went to.
+ATTRIBUTIONS = ("sni", "host", "connect", "socks5", "dns")
+
+
+def _attribution(event: DecisionEvent | CloseEvent, f: _Fields) -> str:
+    """`"attribution"` and `"attributed"`, where known (left out otherwise, so the lines of
+    the planes that never set them stay as they were)."""
+    how = event.attribution
+    if how is None:
+        return ""
+    text = f',"attribution":{_ENCODED.get(how) or f.text(how, "attribution")}'
+    names = event.attributed
+    if names is not None:
+        shown = ",".join(f.text(name, "attributed") for name in names[:MAX_ADDRESSES])
+        text += f',"attributed":[{shown}]'
+    return text
+
 
 @dataclass(frozen=True, slots=True)
 class DecisionEvent:
@@ -220,6 +238,10 @@ class DecisionEvent:
     # The operator credential(s) put into this request (their names, never a value): on the
     # allow line of the request only, and left out otherwise.
     credential: str | None = None
+    # How the host was known (`sni`, `host`, `connect`, `socks5`, `dns`: ATTRIBUTIONS), and
+    # every name its address was answered for when DNS named several; left out when unknown.
+    attribution: str | None = None
+    attributed: tuple[str, ...] | None = None
 
     @classmethod
     def from_policy(cls, result: Decision | AddressDecision, **context: Any) -> DecisionEvent:
@@ -263,6 +285,7 @@ class DecisionEvent:
             f',"pinned":{f.addresses(self.pinned, "pinned")}'
             f',"message":{"null" if (v := self.message) is None else f.text(v, "message")}'
             f"{'' if (v := self.credential) is None else _CREDENTIAL + f.text(v, 'credential')}"
+            f"{_attribution(self, f)}"
             f"{f.end()}"
         )
 
@@ -285,6 +308,8 @@ class CloseEvent:
     duration: float | None = None  # seconds
     reason: str | None = None  # why it ended, e.g. "client_closed", "policy_reload", "idle_timeout"
     pinned: tuple[str, ...] | None = None
+    attribution: str | None = None  # as on the decision lines
+    attributed: tuple[str, ...] | None = None
 
     def line(self, *, session: str | None, now: float) -> str:
         """The audit line (JSON, no newline)."""
@@ -299,6 +324,7 @@ class CloseEvent:
             f',"bytes_down":{str(down) if type(down) is int else f.integer(down, "bytes_down")}'
             f',"duration_seconds":{_seconds(self.duration)}'
             f',"reason":{"null" if (v := self.reason) is None else E.get(v) or f.text(v, "reason")}'
+            f"{_attribution(self, f)}"
             f"{f.end()}"
         )
 

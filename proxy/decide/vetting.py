@@ -22,7 +22,7 @@ from policy.hostnames import normalize_host, parse_ip_literal
 from policy.reasons import Reason
 from proxy.decide.events import DecisionEvent
 from proxy.errors import ProxyError
-from proxy.reasons import Refused
+from proxy.reasons import Refused, authority
 
 # The resolver's reason for NOERROR with no A or AAAA record (proxy/net/resolver.py).
 
@@ -352,7 +352,65 @@ class Vetter:
                 addresses = ()
             else:
                 addresses, cname_chain = tuple(answer.addresses), tuple(answer.cname_chain)
-        checked = self._check_addresses(policy, host, addresses, cname_chain)
+        vetted = self._address_stage(
+            policy, decision, addresses, cname_chain, peer, protocol, port, named
+        )
+        if final:
+            self.allowed(peer, protocol, stage="address", vetted=vetted, port=port, **context)
+        return vetted
+
+    def vet_attributed(
+        self,
+        names: Sequence[str],
+        address: str,
+        port: int,
+        peer: Peer,
+        protocol: str,
+        *,
+        scheme: str | None = None,
+        **context: Any,
+    ) -> Vetted:
+        """A connection to `address`, which the session's DNS answered for `names` (the most
+        recent first) and which carries no name of its own: each name decided on `port` (as a
+        `scheme` stream, e.g. `ssh`, when given) until one is allowed, then the address stage
+        on `address` alone. No DNS: the address was checked when it was answered, and the
+        client goes to that address, not to whatever the name resolves to now. Raises Refused
+        after its line (the first name's refusal when none is allowed); the allow line is the
+        caller's."""
+        policy = self.policy
+        refused: tuple[Decision, str] | None = None
+        for name in names:
+            where = authority(name, port)
+            target = f"{scheme}://{where}" if scheme else where
+            decision = self.decide(target, policy)
+            if decision.allowed:
+                break
+            if refused is None:
+                refused = (decision, target)
+        else:
+            assert refused is not None, "attributed to no name"
+            decision, target = refused
+            self.record(decision, peer, protocol, **context)
+            raise Refused(
+                403, decision.reason, decision.message, remedy=policy.remedy(decision, target)
+            )
+        named = {"rule": decision.rule, "ceiling": decision.ceiling, **context}
+        return self._address_stage(policy, decision, (address,), (), peer, protocol, port, named)
+
+    def _address_stage(
+        self,
+        policy: Policy,
+        decision: Decision,
+        addresses: tuple[str, ...],
+        cname_chain: tuple[str, ...],
+        peer: Peer,
+        protocol: str,
+        port: int | None,
+        named: dict[str, Any],
+    ) -> Vetted:
+        """The address stage on one answer for an allowed name: what vetting found, or Refused
+        after its line (`named`: the rule and context the line carries)."""
+        checked = self._check_addresses(policy, decision.host, addresses, cname_chain)
         if not checked.allowed or not checked.pinned:
             self.record(checked, peer, protocol, port=port, **named)
             raise Refused(
@@ -361,10 +419,7 @@ class Vetter:
                 checked.message,
                 remedy=policy.remedy(checked),
             )
-        vetted = Vetted(decision, checked, tuple(checked.pinned))
-        if final:
-            self.allowed(peer, protocol, stage="address", vetted=vetted, port=port, **context)
-        return vetted
+        return Vetted(decision, checked, tuple(checked.pinned))
 
     def still_allowed(self, target: str, pinned: Sequence[str], inspected: bool) -> bool:
         """After a reload: whether a live connection's destination is still allowed (name

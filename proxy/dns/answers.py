@@ -53,6 +53,7 @@ from policy.reasons import Reason
 from proxy.reasons import Refused, shown
 
 if TYPE_CHECKING:
+    from proxy.decide.attribution import Attribution
     from proxy.decide.events import MetricsSink
     from proxy.decide.vetting import Peer, Vetter
 
@@ -133,9 +134,17 @@ def is_answerable(qtype: int) -> bool:
 class DnsResponder:
     """Decides DNS queries with a Vetter (its policy and resolver are the ones a reload swaps)."""
 
-    def __init__(self, vetter: Vetter, metrics: MetricsSink | None = None) -> None:
+    def __init__(
+        self,
+        vetter: Vetter,
+        metrics: MetricsSink | None = None,
+        attribution: Attribution | None = None,
+    ) -> None:
         self.vetter = vetter
         self.metrics = metrics
+        # Every answered name and its checked addresses (both families: the client may ask
+        # for the other one next), so a connection to one of them can be attributed.
+        self.attribution = attribution
 
     async def answer(self, query: DnsQuery, peer: Peer) -> DnsAnswer:
         """The answer to `query`; never raises (an exception is SERVFAIL, `internal_error`)."""
@@ -211,6 +220,8 @@ class DnsResponder:
             if refused.reason == Reason.NO_ADDRESSES:  # the name has no address: say just that
                 return DnsAnswer(NOERROR, refused.reason)
             return DnsAnswer(REFUSED, refused.reason)
+        if self.attribution is not None:
+            self.attribution.remember(vetted.decision.host, vetted.pinned, ANSWER_TTL)
         family = _FAMILY[question.qtype]
         addresses = tuple(a for a in vetted.pinned if ipaddress.ip_address(a).version == family)
         return DnsAnswer(NOERROR, vetted.decision.reason, addresses)

@@ -19,6 +19,7 @@ from proxy.reasons import authority, shown
 
 if TYPE_CHECKING:
     from proxy.decide.events import MetricsSink
+    from proxy.net.bytecount import Counter
 
 
 class UpstreamError(OSError):
@@ -75,9 +76,11 @@ async def dial_checked[T](
 class Upstream(asyncio.Protocol):
     """An upstream connection before its relay (or HTTP exchange) takes it: what it sends early
     is kept (bounded: reading pauses past EARLY_LIMIT), and an EOF or a loss is remembered, so
-    whoever takes the transport over knows where it stands."""
+    whoever takes the transport over knows where it stands. `forward_to` sends it on to the
+    client instead, for a server that speaks first while the client's bytes are still being
+    decided."""
 
-    __slots__ = ("early", "eof", "lost", "lost_error", "transport")
+    __slots__ = ("counter", "early", "eof", "lost", "lost_error", "sink", "transport")
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
@@ -85,23 +88,55 @@ class Upstream(asyncio.Protocol):
         self.eof = False
         self.lost = False
         self.lost_error: Exception | None = None
+        self.sink: asyncio.Transport | None = None
+        self.counter: Counter | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, only alike.
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
+        sink = self.sink
+        if sink is not None:
+            sink.write(data)
+            if self.counter is not None:
+                self.counter.down += len(data)
+            if sink.get_write_buffer_size() > EARLY_LIMIT and self.transport is not None:
+                self.transport.pause_reading()  # the relay resumes it when it takes over
+            return
         self.early += data
         if len(self.early) > EARLY_LIMIT and self.transport is not None:
             self.transport.pause_reading()
 
     def eof_received(self) -> bool:
         self.eof = True
+        if self.sink is not None and not self.sink.is_closing():
+            self.sink.write_eof()
         return True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
         self.lost_error = exc
+        if self.sink is not None and not self.sink.is_closing():
+            # The client heard the server; it hears the end the way the server ended.
+            if exc is None:
+                self.sink.close()
+            else:
+                self.sink.abort()
+
+    def forward_to(self, client: asyncio.Transport, counter: Counter) -> None:
+        """From now on what the upstream sends goes to `client` as it arrives (counted as
+        bytes down), what it sent before first: only the client's bytes wait for a decision.
+        The relay that takes the transport over carries on from there."""
+        self.sink, self.counter = client, counter
+        early = self.take_early()
+        if early:
+            client.write(early)
+            counter.down += len(early)
+        if self.eof:
+            client.write_eof()
+        elif self.transport is not None:
+            self.transport.resume_reading()
 
     def take_early(self) -> bytes:
         data = bytes(self.early)

@@ -11,7 +11,7 @@ from proxy.boundary.probes.dns_query import dns_refused
 from proxy.boundary.probes.icmp import icmp_blocked
 from proxy.boundary.probes.result import ProbeResult, oserror
 from proxy.boundary.probes.spec import ProbeSpec
-from proxy.boundary.probes.tcp import tcp_answered_by_proxy
+from proxy.boundary.probes.tcp import ssh_refused_by_proxy, tcp_answered_by_proxy
 from proxy.boundary.probes.udp import udp_blocked
 
 
@@ -29,7 +29,8 @@ def run_probes(spec: ProbeSpec) -> list[ProbeResult]:
     extra: dict[str, Any] = {} if spec.timeout is None else {"timeout": spec.timeout}
     calls: list[tuple[str, Callable[[], ProbeResult]]] = []
     for t in spec.tcp:
-        calls.append((t.name, partial(tcp_answered_by_proxy, t.name, t.address, t.port, **extra)))
+        probe = ssh_refused_by_proxy if t.speak == "ssh" else tcp_answered_by_proxy
+        calls.append((t.name, partial(probe, t.name, t.address, t.port, **extra)))
     for u in spec.udp:
         calls.append(
             (u.name, partial(udp_blocked, u.name, u.address, u.port, expect=u.expect, **extra))

@@ -18,11 +18,18 @@ from proxy.reasons import shown
 INVALID_SPEC = "invalid_probe_spec"
 
 
+# What a TCP probe says once connected: an HTTP request (the proxy must answer it with its
+# refusal header), or an SSH identification string (a stream that names no host: the proxy
+# must refuse it in SSH's terms, as it refuses an address the session never resolved).
+SPEAKS = ("http", "ssh")
+
+
 @dataclass(frozen=True, slots=True)
 class TcpProbe:
     name: str
     address: str
     port: int
+    speak: str = "http"  # one of SPEAKS
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +71,7 @@ class ProbeSpec:
 
 
 _FIELDS: dict[str, tuple[type, dict[str, str]]] = {
-    "tcp": (TcpProbe, {"name": "name", "address": "address", "port": "port"}),
+    "tcp": (TcpProbe, {"name": "name", "address": "address", "port": "port", "speak": "speak"}),
     "udp": (UdpProbe, {"name": "name", "address": "address", "port": "port", "expect": "expect"}),
     "icmp": (IcmpProbe, {"name": "name", "address": "address", "expect": "expect"}),
     "dns": (DnsProbe, {"name": "name", "server": "address", "port": "port", "qname": "qname"}),
@@ -93,6 +100,10 @@ def _checked(where: str, kind: str, value: Any) -> Any:
         if not is_port(value):
             _bad(where, "must be a port number 1-65535")
         return value
+    if kind == "speak":
+        if value not in SPEAKS:
+            _bad(where, f"must be one of {', '.join(SPEAKS)}")
+        return value
     if kind == "expect":
         if value not in EXPECTS:
             _bad(where, f"must be one of {', '.join(EXPECTS)}")
@@ -110,7 +121,7 @@ def _checked(where: str, kind: str, value: Any) -> Any:
 
 def parse_spec(value: Any) -> ProbeSpec:
     """A ProbeSpec from its JSON form:
-    `{"tcp": [{"name", "address", "port"}], "udp": [{"name", "address", "port", "expect"}],
+    `{"tcp": [{"name", "address", "port", "speak"}], "udp": [{"name", "address", "port", "expect"}],
     "icmp": [{"name", "address", "expect"}], "dns": [{"name", "server", "port", "qname"}],
     "timeout": SECONDS}`. Raises ProxyError('invalid_probe_spec'); an empty spec is an error
     (it would pass without testing anything)."""

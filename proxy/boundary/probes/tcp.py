@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 
 from proxy.boundary.probes.result import ProbeResult, endpoint, family_of, oserror
-from proxy.reasons import DENIED_HEADER, ERROR_HEADER, shown
+from proxy.reasons import DENIED_HEADER, ERROR_HEADER, SSH_IDENTIFICATION, shown
 
 PROBE_HOST = "egress-boundary-probe.invalid"
 # A proxy's refusal is one short head and a one-line body; more than this is not the proxy.
@@ -31,16 +32,17 @@ def _answer_headers(data: bytes) -> tuple[str, dict[str, str]] | None:
     return lines[0], headers
 
 
-def tcp_answered_by_proxy(
-    name: str, address: str, port: int, *, timeout: float = 3.0
-) -> ProbeResult:
-    """Passed iff the answer to a plain HTTP request to address:port carries the proxy's refusal
-    header: the redirect works, the proxy answered, no direct connection was made."""
+def _exchange(
+    name: str,
+    address: str,
+    port: int,
+    request: bytes,
+    enough: Callable[[bytes], bool],
+    timeout: float,
+) -> bytes | ProbeResult:
+    """Connects to address:port, sends `request` and reads until `enough` of an answer (or the
+    end, or the time limit): what arrived, or the failed result when nothing could."""
     where = endpoint(address, port)
-    request = (
-        f"GET / HTTP/1.1\r\nHost: {PROBE_HOST}\r\nUser-Agent: egress-proxy-probe\r\n"
-        "Connection: close\r\n\r\n"
-    ).encode("ascii")
     deadline = time.monotonic() + timeout
     data = b""
     try:
@@ -70,7 +72,7 @@ def tcp_answered_by_proxy(
                     "proxy is broken or the proxy is down",
                 )
             sock.sendall(request)
-            while len(data) < _MAX_ANSWER and b"\r\n\r\n" not in data:
+            while len(data) < _MAX_ANSWER and not enough(data):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
@@ -84,6 +86,22 @@ def tcp_answered_by_proxy(
     except OSError as exc:
         if not data:
             return ProbeResult(name, False, f"{where}: {oserror(exc)}; no proxy answered")
+    return data
+
+
+def tcp_answered_by_proxy(
+    name: str, address: str, port: int, *, timeout: float = 3.0
+) -> ProbeResult:
+    """Passed iff the answer to a plain HTTP request to address:port carries the proxy's refusal
+    header: the redirect works, the proxy answered, no direct connection was made."""
+    where = endpoint(address, port)
+    request = (
+        f"GET / HTTP/1.1\r\nHost: {PROBE_HOST}\r\nUser-Agent: egress-proxy-probe\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode("ascii")
+    data = _exchange(name, address, port, request, lambda d: b"\r\n\r\n" in d, timeout)
+    if isinstance(data, ProbeResult):
+        return data
     parsed = _answer_headers(data)
     if parsed is None:
         seen = shown(data[:60].decode("latin-1")) if data else "nothing"
@@ -105,3 +123,33 @@ def tcp_answered_by_proxy(
         f"{where} answered {shown(status)!r} without {DENIED_HEADER} or {ERROR_HEADER}: "
         "a direct connection was made, not through the proxy",
     )
+
+
+def ssh_refused_by_proxy(
+    name: str, address: str, port: int, *, timeout: float = 3.0
+) -> ProbeResult:
+    """Passed iff an SSH client's first bytes to address:port, an address this probe never
+    resolved through the proxy, are answered by the proxy's own SSH refusal: a stream that
+    names no host reaches no one."""
+    where = endpoint(address, port)
+    data = _exchange(
+        name, address, port, PROBE_SSH_IDENTIFICATION, lambda d: len(d) > _SSH_ENOUGH, timeout
+    )
+    if isinstance(data, ProbeResult):
+        return data
+    if data.startswith(SSH_IDENTIFICATION):
+        reason = data[len(SSH_IDENTIFICATION) :].split(b" denied: ", 1)[-1].split(b":", 1)[0]
+        return ProbeResult(
+            name, True, f"{where} refused by the proxy: {shown(reason.decode('latin-1'))}"
+        )
+    seen = shown(data[:60].decode("latin-1")) if data else "nothing"
+    return ProbeResult(
+        name,
+        False,
+        f"{where} did not refuse as the proxy (got {seen}): a stream naming no host went out",
+    )
+
+
+PROBE_SSH_IDENTIFICATION = b"SSH-2.0-egress_proxy_probe\r\n"
+# Our identification string and the start of the disconnect that names the reason.
+_SSH_ENOUGH = len(SSH_IDENTIFICATION) + 96

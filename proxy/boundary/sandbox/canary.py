@@ -50,6 +50,9 @@ def canary_runs(
             "tcp": [
                 {"name": f"tcp_v{version}_direct", "address": host,
                  "port": observers.port(host, "tcp")},
+                # A stream that names no host, to an address never resolved through us.
+                {"name": f"tcp_v{version}_direct_ssh", "address": host,
+                 "port": observers.port(host, "tcp"), "speak": "ssh"},
             ],
             "udp": [
                 {"name": f"udp_v{version}", "address": host,
