@@ -33,12 +33,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import bench_attributed as attributed
 import bench_egress as egress
 import bench_peers as peers
 import bench_proc as proc
 import bench_stats as stats
 from bench_context import FULL, MIB, QUICK, Run, Settings
-from bench_loadgen import Loadgen, Unavailable, build, upstream, write_targets
+from bench_loadgen import SSH_FLIGHT, Loadgen, Unavailable, build, upstream, write_targets
 from bench_rounds import dns_round, main_round, scale_round, sessions_round, start_config
 from bench_summary import build_document
 
@@ -47,6 +48,8 @@ ROOT = HERE.parent
 HOST = egress.HOST
 WORKLOADS = (
     "tunnels",
+    "opaque",
+    "attributed",
     "bulk",
     "http",
     "socks5",
@@ -56,7 +59,8 @@ WORKLOADS = (
     "dns",
     "sessions",
 )
-MAIN_WORKLOADS = {"tunnels", "bulk", "http", "socks5", "dns-listen", "inspect", "sessions"}
+# The workloads of the main rounds (scale and dns have rounds of their own).
+MAIN_WORKLOADS = set(WORKLOADS) - {"scale", "dns"}
 FULL_CONFIGS = (
     "direct",
     "egress-proxy",
@@ -249,6 +253,9 @@ def round_line(sample: dict[str, Any]) -> str:
     for label, path, fmt in (
         ("tunnels/s @16", ("tunnels", "16", "tunnels_per_s"), ",.0f"),
         ("µs CPU/tunnel", ("tunnels", "16", "proxy_cpu_us_per_tunnel"), ",.0f"),
+        ("µs CPU/opaque", ("opaque", "16", "proxy_cpu_us_per_tunnel"), ",.0f"),
+        ("µs CPU/attributed ssh", ("attributed", "ssh", "16", "proxy_cpu_us_per_tunnel"), ",.0f"),
+        ("µs CPU/transparent tls", ("attributed", "tls", "16", "proxy_cpu_us_per_tunnel"), ",.0f"),
         ("up MB/s", ("bulk", "up", "mb_per_s"), ",.0f"),
         ("http req/s", ("http", "requests_per_s"), ",.0f"),
         ("µs CPU/req", ("http", "proxy_cpu_us_per_request"), ",.0f"),
@@ -321,6 +328,14 @@ def measure(
         wrk=statuses["wrk"].binary if statuses["wrk"].available else None,
         log=log,
     )
+    if {"opaque", "attributed"} & set(args.workloads):
+        run.opaque_targets = write_targets(tmp / "opaque.bin", [HOST], flight=SSH_FLIGHT)
+    if "attributed" in args.workloads:
+        if (why := attributed.unavailable()) is not None:
+            notes.append(why)
+            log(f"note: {why}")
+        else:
+            run.namespace = stack.enter_context(attributed.namespace(loadgen, tmp / "namespace"))
     nginx = statuses["nginx"]
     if {"http", "inspect"} & set(args.workloads) and nginx.available and nginx.binary:
         tls = (chain, key) if chain and key else None

@@ -142,7 +142,7 @@ class Run:
     tmp: Path
     dns: Any  # tests/dns_server.DNSServer
     loadgen: Loadgen
-    upstream: Mapping[str, Any]  # {"pid", "tunnel", "bulk"}
+    upstream: Mapping[str, Any]  # {"pid", "tunnel", "opaque", "bulk"}
     targets: Path  # loadgen targets file: bench.test with its ClientHello
     env: dict[str, str]  # for egress-proxy and mitmdump: the harness's bytecode cache
     statuses: dict[str, PeerStatus]
@@ -152,7 +152,10 @@ class Run:
     origin_tls: OriginTLS | None = None
     tls_ca: Path | None = None  # the CA of the origin's HTTPS certificate
     wrk: str | None = None
+    opaque_targets: Path | None = None  # bench.test with an SSH identification line instead
     log: Callable[[str], None] = print
+    # The attributed workload's network namespace (bench_attributed.Namespace), when it runs.
+    namespace: Any = None
     problems: list[str] = dataclasses.field(default_factory=list)
 
     def problem(self, message: str) -> None:

@@ -39,6 +39,9 @@ TLS_LIBS = ("-lssl", "-lcrypto")
 READY_TIMEOUT_S = 60.0  # set-up and warm-up of a client process
 SETTLE_AFTER_S = 0.2  # the proxy may still be closing the last tunnels: that CPU is theirs
 COMPILE_TIMEOUT_S = 120.0
+# The first flight of an opaque stream (neither TLS nor HTTP): an SSH client's identification
+# string. The upstream's opaque port answers once it has read this line.
+SSH_FLIGHT = b"SSH-2.0-bench\r\n"
 
 
 class Unavailable(RuntimeError):
@@ -134,14 +137,20 @@ def client_hello(sni: str, context: ssl.SSLContext | None = None) -> bytes:
     return outgoing.read()
 
 
-def write_targets(path: Path, hosts: Sequence[str], hello: bool = True) -> Path:
-    """The targets file of loadgen.c: per host, [u16 length][host][u16 length][ClientHello].
-    `hello=False`: empty ClientHellos (the https mode makes its own handshake)."""
+def write_targets(
+    path: Path, hosts: Sequence[str], hello: bool = True, flight: bytes | None = None
+) -> Path:
+    """The targets file of loadgen.c: per host, [u16 length][host][u16 length][first flight],
+    the first flight being the host's ClientHello. `hello=False`: empty ones (the https mode
+    makes its own handshake); `flight`: these bytes for every host instead (an opaque stream's
+    first flight, SSH_FLIGHT)."""
     context = ssl.create_default_context()
     parts = []
     for host in hosts:
         name = host.encode("ascii")
-        first = client_hello(host, context) if hello else b""
+        first = flight
+        if first is None:
+            first = client_hello(host, context) if hello else b""
         parts += [struct.pack("!H", len(name)), name, struct.pack("!H", len(first)), first]
     path.write_bytes(b"".join(parts))
     return path
@@ -165,7 +174,7 @@ def end_by_stdin(process: subprocess.Popen[bytes]) -> None:
 
 @contextlib.contextmanager
 def upstream(loadgen: Loadgen, log: Path) -> Iterator[dict[str, Any]]:
-    """The upstream process: {"pid", "tunnel", "bulk"} (ports on 127.0.0.1)."""
+    """The upstream process: {"pid", "tunnel", "opaque", "bulk"} (ports on 127.0.0.1)."""
     with open(log, "wb") as err:
         process = subprocess.Popen(
             [str(loadgen.binary), "upstream"],
@@ -210,15 +219,19 @@ def client_args(
 
 
 def run_phase(
-    command: Sequence[str], watch: Mapping[str, int | None], limit: float, log: Path
+    command: Sequence[str],
+    watch: Mapping[str, int | None],
+    limit: float,
+    log: Path,
+    user: str | None = None,
 ) -> tuple[dict[str, Any], dict[str, float | None]]:
-    """One phase of one client process: it sets up and warms up, says ready; the CPU times of
-    the `watch`ed processes are read, "go" is sent, its result is awaited (at most `limit` s)
-    and the CPU times read again 0.2 s later. The result and the CPU seconds of each watched
-    process (`<name>_cpu_s`)."""
+    """One phase of one client process (as `user`, when given): it sets up and warms up, says
+    ready; the CPU times of the `watch`ed processes are read, "go" is sent, its result is
+    awaited (at most `limit` s) and the CPU times read again 0.2 s later. The result and the CPU
+    seconds of each watched process (`<name>_cpu_s`)."""
     with open(log, "wb") as err:
         process = subprocess.Popen(
-            list(command), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err
+            list(command), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, user=user
         )
     try:
         _read_message(process, READY_TIMEOUT_S, log)

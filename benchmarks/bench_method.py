@@ -37,6 +37,21 @@ def method(document: Mapping[str, Any]) -> list[str]:
         f"{s['latency_s']:g} s after {s['warmup']} warm-up ones): latency p50/p99 and tunnels/s "
         f"@1; then {levels} concurrent clients ({s['rate_count']:,} tunnels or {s['rate_s']:g} s "
         "each). Direct: the same client straight to the upstream.",
+        "- Opaque streams: the tunnels above with an SSH identification line "
+        "(`SSH-2.0-bench\\r\\n`) as the first flight instead of the ClientHello, to the "
+        "upstream's opaque port (neither 80 nor 443; it answers one byte once it has read the "
+        "line), through CONNECT (every proxy whose configuration allows CONNECT to that port: "
+        "squid's and tinyproxy's here restrict no CONNECT port) and egress-proxy's SOCKS5 "
+        "listener (at 16 clients).",
+        "- Attributed (root only): in a network namespace the harness creates, egress-proxy with "
+        "a transparent listener beside its usual ones, resolving with a DNS server of the "
+        "harness's in the namespace; nftables there redirects the client's (user nobody) TCP to "
+        "127.0.0.5, bench.test's address, to the transparent listener, and root's (the proxy "
+        "dialling that address; direct's client) to the upstream on 127.0.0.1. The client "
+        "resolves bench.test once through the proxy's DNS listener, then opens the tunnels "
+        "above to that address without a proxy request: an SSH first flight (no name: "
+        "attributed by the DNS answer, relayed opaque to that address) and a TLS ClientHello "
+        "(decided on its SNI). The audit log must show every SSH stream attributed by DNS.",
         f"- Bulk: {s['bulk_bytes'] / mib:,.0f} MiB each way through one tunnel, and "
         f"{s['parallel_bytes'] / mib:,.0f} MiB in all through {s['parallel_tunnels']} tunnels "
         "at once, each after a warm-up transfer on a tunnel of its own; MB/s from the first "

@@ -169,6 +169,43 @@ def tunnels_section(summary: Mapping[str, Row], settings: Mapping[str, Any]) -> 
     return [figure_table(summary, columns), "", check]
 
 
+def opaque_check_section(checks: Mapping[str, Row]) -> list[str]:
+    """Issue 18's check, one line per egress-proxy configuration: an opaque stream must cost no
+    more proxy CPU than a TLS tunnel (16 clients, ratios within rounds), and the ratios beside."""
+    out = []
+    for config, r in checks.items():
+        opaque_vs_tls = r.get("opaque_vs_tls")
+        verdict = "-" if opaque_vs_tls is None else "met" if opaque_vs_tls <= 1.0 else "**NOT MET**"
+        out.append(
+            f"- {label(config)}: proxy CPU per tunnel at 16 clients, opaque (SSH first flight) "
+            f"/ TLS (ClientHello), CONNECT: **{ratio(opaque_vs_tls)}** (goal <= 1.0x: {verdict}); "
+            f"SOCKS5 opaque / TLS: {ratio(r.get('socks5_opaque_vs_tls'))}; opaque "
+            f"{label(config)} / squid: {ratio(r.get('opaque_vs_squid'))} (TLS: "
+            f"{ratio(r.get('tls_vs_squid'))}); transparent, attributed by DNS / decided on the "
+            f"SNI: {ratio(r.get('attributed_vs_sni'))}; attributed by DNS / CONNECT TLS: "
+            f"{ratio(r.get('attributed_vs_connect_tls'))}."
+        )
+    return [
+        *out,
+        "",
+        "Each ratio is the median over rounds of two figures of the same round: the same proxy "
+        "process's (opaque against TLS) or squid's in that round. '-': a side was not measured.",
+    ]
+
+
+def attributed_section(
+    ssh: Mapping[str, Row], tls: Mapping[str, Row], settings: Mapping[str, Any]
+) -> list[str]:
+    out = []
+    for title, summary in (
+        ("SSH first flight, no name: attributed by the proxy's DNS answer", ssh),
+        ("TLS ClientHello on the same listener: decided on its SNI", tls),
+    ):
+        if summary:
+            out += [f"{title}:", "", *tunnels_section(summary, settings), ""]
+    return out
+
+
 def loadgen_check(summary: Mapping[str, Row], figure: str, what: str) -> str:
     """The sentence that shows the load generator was not the limit (or that it was close)."""
     direct = (summary.get("direct") or {}).get(figure)
@@ -437,8 +474,22 @@ def render(document: Mapping[str, Any], plots: Sequence[str], plot_note: str | N
         )
     if summary.get("ab"):
         section("A/B: this tree against the baseline tree", ab_section(summary["ab"]))
+    if summary.get("opaque_check"):
+        title = "Issue 18: an opaque stream costs no more proxy CPU than a TLS tunnel"
+        section(title, opaque_check_section(summary["opaque_check"]))
     if summary.get("tunnels"):
         section("1. New CONNECT tunnels", tunnels_section(summary["tunnels"], s), "tunnels.png")
+    if summary.get("opaque"):
+        title = "1b. Opaque streams in new CONNECT tunnels (SSH first flight, a non-TLS port)"
+        section(title, tunnels_section(summary["opaque"], s))
+    if summary.get("opaque_socks5"):
+        body = socks5_section(summary["opaque_socks5"], summary.get("opaque", {}))
+        section("1c. Opaque streams in new SOCKS5 tunnels", body)
+    if summary.get("attributed_ssh") or summary.get("attributed_tls"):
+        body = attributed_section(
+            summary.get("attributed_ssh", {}), summary.get("attributed_tls", {}), s
+        )
+        section("1d. Transparent connections in a network namespace (attributed by DNS)", body)
     if summary.get("bulk"):
         section("2. Bulk through tunnels", bulk_section(summary["bulk"], s), "bulk.png")
     if summary.get("http"):

@@ -20,6 +20,7 @@ from typing import Any
 
 import bench_egress as egress
 import bench_peers as peers
+from bench_attributed import attributed_workload
 from bench_context import Run, Running
 from bench_dns import HOST, LOOPBACK, dns_listen_workload, resolver_phase
 from bench_http import http_problems, http_workload
@@ -29,6 +30,8 @@ from bench_workloads import (
     bulk_workload,
     checkpoint,
     inspect_workload,
+    opaque_route,
+    opaque_workload,
     socks5_workload,
     tunnel_phase,
     tunnels_workload,
@@ -130,6 +133,8 @@ class _Round:
         passthrough = chosen is None or chosen.passthrough
         if passthrough and run.wants("tunnels"):
             self.phase("tunnels", lambda: tunnels_workload(run, proxy, directory), None)
+        if passthrough and run.wants("opaque") and run.opaque_targets is not None:
+            self.phase("opaque", lambda: opaque_workload(run, proxy, directory), None)
         if passthrough and run.wants("bulk"):
             self.phase("bulk", lambda: bulk_workload(run, proxy, directory), None)
         if proxy is not None and {"tunnels", "bulk"} & self.sample.keys():
@@ -143,9 +148,19 @@ class _Round:
             if listening.socks_port and passthrough and run.wants("socks5"):
                 measure = lambda: socks5_workload(run, listening, directory)  # noqa: E731
                 self.phase("socks5", measure, "after_socks5")
+            if listening.socks_port and passthrough and run.wants("opaque"):
+                route = opaque_route(run)
+                measure = lambda: socks5_workload(run, listening, directory, **route)  # noqa: E731
+                self.phase("opaque_socks5", measure, None)
             if listening.dns_port and run.wants("dns-listen"):
                 measure = lambda: dns_listen_workload(run, listening, directory, self.n)  # noqa: E731
                 self.phase("dns_listen", measure, "after_dns")
+        if run.namespace is not None and (
+            self.config == "direct" or (chosen is not None and passthrough and chosen.listeners)
+        ):
+            where = directory / "attributed"
+            measure = lambda: attributed_workload(run, self.config, where)  # noqa: E731
+            self.phase("attributed", measure, None)
         if target := inspected(run, self.config):
             measure = lambda: inspect_workload(run, proxy, directory, *target)  # noqa: E731
             self.phase("inspect", measure, "after_inspect")

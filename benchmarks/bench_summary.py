@@ -12,24 +12,37 @@ import bench_targets
 from bench_context import Settings
 from bench_egress import EgressConfig
 from bench_proc import command
-from bench_stats import summarise
+from bench_stats import median, ratios_by_round, summarise
 
 Figures = dict[str, tuple[str, ...]]
 LEVELS = (1, 16, 64)
 WHO = ("proxy", "client", "upstream")
 
-TUNNEL_FIGURES: Figures = {
-    "latency_p50_ms": ("tunnels", "1", "latency_ms", "p50"),
-    "latency_p99_ms": ("tunnels", "1", "latency_ms", "p99"),
-}
-for _c in LEVELS:
-    TUNNEL_FIGURES[f"tunnels_per_s_{_c}"] = ("tunnels", str(_c), "tunnels_per_s")
-    for _who in WHO:
-        TUNNEL_FIGURES[f"{_who}_cpu_us_per_tunnel_{_c}"] = (
-            "tunnels",
-            str(_c),
-            f"{_who}_cpu_us_per_tunnel",
-        )
+
+def tunnel_figures(*at: str) -> Figures:
+    """The figures of a tunnels workload's levels (1, 16, 64 clients) at `at` in a sample."""
+    figures: Figures = {
+        "latency_p50_ms": (*at, "1", "latency_ms", "p50"),
+        "latency_p99_ms": (*at, "1", "latency_ms", "p99"),
+    }
+    for c in LEVELS:
+        figures[f"tunnels_per_s_{c}"] = (*at, str(c), "tunnels_per_s")
+        for who in WHO:
+            figures[f"{who}_cpu_us_per_tunnel_{c}"] = (*at, str(c), f"{who}_cpu_us_per_tunnel")
+    return figures
+
+
+def socks5_figures(at: str) -> Figures:
+    """The figures of one 16-client SOCKS5 phase at `at` in a sample."""
+    return {
+        "tunnels_per_s": (at, "tunnels_per_s"),
+        "latency_p50_ms": (at, "latency_ms", "p50"),
+        "latency_p99_ms": (at, "latency_ms", "p99"),
+        **{f"{w}_cpu_us_per_tunnel": (at, f"{w}_cpu_us_per_tunnel") for w in WHO},
+    }
+
+
+TUNNEL_FIGURES = tunnel_figures("tunnels")
 BULK_KINDS = ("up", "down", "parallel_up", "parallel_down")
 BULK_FIGURES: Figures = {}
 for _k in BULK_KINDS:
@@ -45,12 +58,7 @@ HTTP_FIGURES: Figures = {
         for w in ("proxy", "origin", "client")
     },
 }
-SOCKS5_FIGURES: Figures = {
-    "tunnels_per_s": ("socks5", "tunnels_per_s"),
-    "latency_p50_ms": ("socks5", "latency_ms", "p50"),
-    "latency_p99_ms": ("socks5", "latency_ms", "p99"),
-    **{f"{w}_cpu_us_per_tunnel": ("socks5", f"{w}_cpu_us_per_tunnel") for w in WHO},
-}
+SOCKS5_FIGURES = socks5_figures("socks5")
 DNS_LISTEN_FIGURES: Figures = {
     "queries_per_s": ("dns_listen", "queries_per_s"),
     "latency_p50_ms": ("dns_listen", "latency_ms", "p50"),
@@ -110,6 +118,10 @@ SESSION_FIGURES: Figures = {
 }
 MAIN_WORKLOADS: dict[str, Figures] = {
     "tunnels": TUNNEL_FIGURES,
+    "opaque": tunnel_figures("opaque"),
+    "opaque_socks5": socks5_figures("opaque_socks5"),
+    "attributed_ssh": tunnel_figures("attributed", "ssh"),
+    "attributed_tls": tunnel_figures("attributed", "tls"),
     "bulk": BULK_FIGURES,
     "http": HTTP_FIGURES,
     "socks5": SOCKS5_FIGURES,
@@ -131,6 +143,41 @@ def _present(rows: dict[str, dict[str, float | None]]) -> dict[str, dict[str, fl
     return {c: r for c, r in rows.items() if any(v is not None for v in r.values())}
 
 
+# Issue 18's check: an opaque stream costs no more proxy CPU than a TLS tunnel. Each a ratio of
+# two figures of the same round (the same proxy process, or squid's in that round): (name,
+# figure, the figure it is divided by, whose: None for the same configuration's).
+CPU16 = ("16", "proxy_cpu_us_per_tunnel")
+OPAQUE_CHECKS: tuple[tuple[str, tuple[str, ...], tuple[str, ...], str | None], ...] = (
+    ("opaque_vs_tls", ("opaque", *CPU16), ("tunnels", *CPU16), None),
+    ("opaque_vs_squid", ("opaque", *CPU16), ("opaque", *CPU16), "squid"),
+    ("tls_vs_squid", ("tunnels", *CPU16), ("tunnels", *CPU16), "squid"),
+    (
+        "socks5_opaque_vs_tls",
+        ("opaque_socks5", "proxy_cpu_us_per_tunnel"),
+        ("socks5", "proxy_cpu_us_per_tunnel"),
+        None,
+    ),
+    ("attributed_vs_sni", ("attributed", "ssh", *CPU16), ("attributed", "tls", *CPU16), None),
+    ("attributed_vs_connect_tls", ("attributed", "ssh", *CPU16), ("tunnels", *CPU16), None),
+)
+
+
+def opaque_checks(
+    main: Mapping[str, Sequence[Mapping[str, Any]]], egress: Mapping[str, EgressConfig]
+) -> dict[str, dict[str, float | None]]:
+    """Per egress-proxy configuration, the median over rounds of each OPAQUE_CHECKS ratio (None
+    where a side is missing)."""
+    out: dict[str, dict[str, float | None]] = {}
+    for config in (c for c in main if c in egress):
+        row: dict[str, float | None] = {}
+        for name, path, their_path, whose in OPAQUE_CHECKS:
+            theirs = main.get(whose, []) if whose else main[config]
+            row[name] = median(ratios_by_round(main[config], theirs, path, their_path))
+        if any(v is not None for v in row.values()):
+            out[config] = row
+    return out
+
+
 def summaries(
     samples: Mapping[str, Sequence[Mapping[str, Any]]], egress: Mapping[str, EgressConfig]
 ) -> dict[str, Any]:
@@ -147,6 +194,7 @@ def summaries(
         by_config(samples.get("sessions", [])), SESSION_FIGURES, baseline="squid"
     )
     sessions = out["sessions"] if samples.get("sessions") else None
+    out["opaque_check"] = opaque_checks(main, egress)
     out["targets"] = bench_targets.evaluate(main, egress, sessions)
     out["ab"] = bench_targets.ab(main, egress)
     return out

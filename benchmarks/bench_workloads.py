@@ -1,5 +1,6 @@
-"""The load-generator workloads of a round: new tunnels (CONNECT or SOCKS5), bulk, and HTTPS
-through an intercepting proxy, each by benchmarks/loadgen.c; and the memory checkpoint
+"""The load-generator workloads of a round: new tunnels (CONNECT or SOCKS5; a TLS ClientHello
+or an opaque stream's first flight), bulk, and HTTPS through an intercepting proxy, each by
+benchmarks/loadgen.c; and the memory checkpoint
 between them. Every phase reports the proxy's CPU per unit of work (utime + stime from /proc,
 all threads) beside the load generator's own (client and upstream or origin)."""
 
@@ -18,7 +19,7 @@ LIMIT_SLACK_S = 30.0  # past the phase's own bound, the client process is killed
 
 
 def _proxy_port(proxy: Running | None, kind: str) -> int | None:
-    if proxy is None:
+    if proxy is None or kind == "transparent":
         return None
     port = getattr(proxy, "socks_port", None) if kind == "socks5" else proxy.port
     if port is None:
@@ -36,30 +37,42 @@ def tunnel_phase(
     seconds: float,
     kind: str = "connect",
     targets: Path | None = None,
+    port: int | None = None,
     warmup: int = 10,
+    address: str | None = None,
+    user: str | None = None,
 ) -> dict[str, Any]:
     """New tunnels by `clients` concurrent connections of one loadgen process: TCP connect,
     CONNECT (`kind` connect) or SOCKS5 (socks5) through `proxy` (none: direct), the target's
-    ClientHello, the upstream's answer, close. `count` tunnels or `seconds`, whichever first."""
+    first flight (`targets`: run.targets, the ClientHello), the upstream's answer on `port`
+    (default: its TLS tunnel port), close. `count` tunnels or `seconds`, whichever first.
+    `kind` transparent: the client connects to `address` (a loopback address its network
+    namespace redirects to `proxy`) as if direct; `user`: the client runs as that user."""
     proxy_kind = "none" if proxy is None else kind
     command = client_args(
         run.loadgen,
         "tunnels",
         targets or run.targets,
-        run.upstream["tunnel"],
-        proxy_kind,
+        port or run.upstream["tunnel"],
+        "none" if proxy_kind == "transparent" else proxy_kind,
         _proxy_port(proxy, kind),
     )
     command += ["--concurrency", str(clients), "--count", str(count), "--seconds", str(seconds)]
     command += ["--warmup", str(warmup), "--timeout", str(SOCKET_TIMEOUT_S)]
+    if address is not None:
+        command += ["--address", address]
     watch = {"proxy": proxy.pid if proxy else None, "upstream": run.upstream["pid"]}
-    result, cpu = run_phase(command, watch, seconds + LIMIT_SLACK_S, directory / "client.txt")
+    limit = seconds + LIMIT_SLACK_S
+    result, cpu = run_phase(command, watch, limit, directory / "client.txt", user)
     out = figures(result, cpu, result["done"], "tunnel", "tunnels")
     return {"kind": proxy_kind, "clients": clients, **out}
 
 
-def tunnels_workload(run: Run, proxy: Running | None, directory: Path) -> dict[str, Any]:
-    """One client one tunnel at a time (latency; tunnels/s @1), then each concurrency level."""
+def tunnels_workload(
+    run: Run, proxy: Running | None, directory: Path, **route: Any
+) -> dict[str, Any]:
+    """One client one tunnel at a time (latency; tunnels/s @1), then each concurrency level.
+    `route`: tunnel_phase's kind, targets, port, address and user."""
     s = run.settings
     out = {
         "1": tunnel_phase(
@@ -70,21 +83,43 @@ def tunnels_workload(run: Run, proxy: Running | None, directory: Path) -> dict[s
             count=s.latency_count,
             seconds=s.latency_s,
             warmup=s.warmup,
+            **route,
         )
     }
     for clients in s.concurrency:
         out[str(clients)] = tunnel_phase(
-            run, proxy, directory, clients=clients, count=s.rate_count, seconds=s.rate_s
+            run, proxy, directory, clients=clients, count=s.rate_count, seconds=s.rate_s, **route
         )
     return out
 
 
-def socks5_workload(run: Run, proxy: Running, directory: Path) -> dict[str, Any]:
-    """The tunnels of the 16-client phase through the SOCKS5 listener."""
+def socks5_workload(run: Run, proxy: Running, directory: Path, **route: Any) -> dict[str, Any]:
+    """The tunnels of the 16-client phase through the SOCKS5 listener (`route`: as in
+    tunnels_workload)."""
     s = run.settings
     return tunnel_phase(
-        run, proxy, directory, clients=16, count=s.socks_count, seconds=s.socks_s, kind="socks5"
+        run,
+        proxy,
+        directory,
+        clients=16,
+        count=s.socks_count,
+        seconds=s.socks_s,
+        kind="socks5",
+        **route,
     )
+
+
+def opaque_route(run: Run) -> dict[str, Any]:
+    """An opaque stream instead of TLS: the SSH identification line as the first flight, to the
+    upstream's opaque port (neither 80 nor 443: a port the proxy under test takes opaque streams
+    on by default)."""
+    assert run.opaque_targets is not None
+    return {"targets": run.opaque_targets, "port": int(run.upstream["opaque"])}
+
+
+def opaque_workload(run: Run, proxy: Running | None, directory: Path) -> dict[str, Any]:
+    """The tunnels workload with an opaque stream in each tunnel (CONNECT, or direct)."""
+    return tunnels_workload(run, proxy, directory, **opaque_route(run))
 
 
 def bulk_phase(

@@ -5,11 +5,15 @@
  * it. It connects to and listens on 127.0.0.1 only.
  *
  *   loadgen upstream    the tunnel port (answers READY once it has read one whole TLS record,
- *                       the ClientHello) and the bulk port (the same, then a command: "U"+size:
+ *                       the ClientHello), the opaque port (answers READY once it has read one
+ *                       line, an SSH identification string: a stream that is neither TLS nor
+ *                       HTTP) and the bulk port (as the tunnel port, then a command: "U"+size:
  *                       sink size bytes and answer the count; "D"+size: send size bytes);
- *                       prints {"pid":..,"tunnel":..,"bulk":..}; ends when stdin closes
+ *                       prints {"pid":..,"tunnel":..,"opaque":..,"bulk":..}; ends when stdin
+ *                       closes
  *   loadgen tunnels     new tunnels, one epoll loop: TCP connect, CONNECT (or SOCKS5, or
- *                       nothing: direct), the ClientHello of the target, the upstream's answer
+ *                       nothing: direct), the target's first flight (its ClientHello, or any
+ *                       bytes the targets file holds), the upstream's answer
  *   loadgen bulk        bytes one way through one or several tunnels (a thread per tunnel)
  *   loadgen https       TLS through the tunnel (OpenSSL, the session CA verified) and HTTP/1.1
  *                       requests inside it (a thread per concurrent tunnel)
@@ -17,13 +21,15 @@
  * A client sets up and warms up, prints {"ready":true}, and reads a line: "go" runs the phase
  * and prints one JSON line of results; anything else (or EOF) ends it. A failure before ready
  * is printed as {"failed":"..."}. Every phase is bounded by a count and a time; every socket
- * operation by a timeout.
+ * operation by a timeout. Without a proxy, `--address` (a 127.0.0.0/8 address) is where a
+ * client connects instead of 127.0.0.1: an address a network namespace redirects.
  */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <getopt.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <arpa/inet.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -75,7 +81,8 @@ static struct {
     int up;
     long bytes;
     const char *ca, *path;
-} opt = {PROXY_NONE, 0, 0, NULL, 0, 1, 1, 0, 1, 5.0, 10.0, 1, 0, NULL, "/"};
+    uint32_t address; /* where a client connects (host order): 127.0.0.1 unless --address */
+} opt = {PROXY_NONE, 0, 0, NULL, 0, 1, 1, 0, 1, 5.0, 10.0, 1, 0, NULL, "/", INADDR_LOOPBACK};
 
 /* -- small helpers ------------------------------------------------------------------------- */
 
@@ -188,14 +195,16 @@ static int ready_then_go(void) {
     return strncmp(line, "go", 2) == 0;
 }
 
-static struct sockaddr_in loopback(int port) {
+static struct sockaddr_in loopback_at(uint32_t address, int port) {
     struct sockaddr_in a;
     memset(&a, 0, sizeof a);
     a.sin_family = AF_INET;
     a.sin_port = htons((uint16_t)port);
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_addr.s_addr = htonl(address);
     return a;
 }
+
+static struct sockaddr_in loopback(int port) { return loopback_at(INADDR_LOOPBACK, port); }
 
 static int tcp_socket(int nonblocking) {
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | (nonblocking ? SOCK_NONBLOCK : 0), 0);
@@ -257,6 +266,12 @@ static void prepare_targets(void) {
 }
 
 static int connect_port(void) { return opt.proxy == PROXY_NONE ? opt.port : opt.proxy_port; }
+
+/* Where a client connects: the proxy on 127.0.0.1, or the target at --address (127.0.0.1 by
+ * default; another loopback address a network namespace redirects). */
+static struct sockaddr_in connect_address(void) {
+    return loopback_at(opt.proxy == PROXY_NONE ? opt.address : INADDR_LOOPBACK, connect_port());
+}
 
 static const unsigned char SOCKS_GREETING[3] = {5, 1, 0};
 
@@ -346,7 +361,7 @@ static void slot_start(struct run *r, struct slot *s) {
         r->active--;
         return;
     }
-    struct sockaddr_in a = loopback(connect_port());
+    struct sockaddr_in a = connect_address();
     int rc = connect(s->fd, (struct sockaddr *)&a, sizeof a);
     struct epoll_event ev = {.events = EPOLLIN | EPOLLOUT | EPOLLRDHUP | EPOLLET, .data.ptr = s};
     epoll_ctl(r->ep, EPOLL_CTL_ADD, s->fd, &ev);
@@ -416,7 +431,7 @@ static const char *slot_advance(struct slot *s, int *finished) {
         if (!s->got)
             return NULL;
         if (s->buf[0] != READY_BYTE)
-            return "unexpected answer to the ClientHello";
+            return "unexpected answer to the first flight";
         *finished = 1;
         return NULL;
     default:
@@ -559,7 +574,7 @@ static int open_tunnel(struct target *t, char *why, size_t why_len) {
         return -1;
     }
     set_timeouts(fd, opt.timeout);
-    struct sockaddr_in a = loopback(connect_port());
+    struct sockaddr_in a = connect_address();
     if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
         snprintf(why, why_len, "connect: %s", strerror(errno));
         goto fail;
@@ -976,6 +991,7 @@ struct upstream_conn {
     unsigned char header[5]; /* the TLS record header: its length is in bytes 3 and 4 */
     size_t got, need;
     int answered;
+    int line; /* the opaque port's: answered once a line (up to LF) has been read */
 };
 
 static void *stdin_watch(void *arg) {
@@ -1068,6 +1084,17 @@ static void upstream_read(struct upstream_conn *c, int fd) {
             return;
         if (c->answered)
             continue;
+        if (c->line) {
+            c->got += (size_t)n;
+            if (memchr(buf, '\n', (size_t)n)) {
+                c->answered = 1;
+                send(fd, "R", 1, MSG_NOSIGNAL);
+            } else if (c->got > 65536) {
+                close(fd);
+                return;
+            }
+            continue;
+        }
         for (ssize_t i = 0; i < n && c->got + (size_t)i < 5; i++)
             c->header[c->got + (size_t)i] = buf[i];
         c->got += (size_t)n;
@@ -1084,7 +1111,7 @@ static void upstream_read(struct upstream_conn *c, int fd) {
 }
 
 static int upstream_main(void) {
-    int tunnel = listen_loopback(1), bulk = listen_loopback(0);
+    int tunnel = listen_loopback(1), opaque = listen_loopback(1), bulk = listen_loopback(0);
     struct rlimit nofile;
     getrlimit(RLIMIT_NOFILE, &nofile);
     size_t max_fd = nofile.rlim_cur < 1048576 ? (size_t)nofile.rlim_cur : 1048576;
@@ -1093,8 +1120,8 @@ static int upstream_main(void) {
     pthread_create(&t, NULL, stdin_watch, NULL);
     pthread_create(&t, NULL, bulk_server, (void *)(intptr_t)bulk);
     alarm(UPSTREAM_LIFETIME);
-    printf("{\"pid\":%d,\"tunnel\":%d,\"bulk\":%d,\"tls\":%s}\n", getpid(), port_of(tunnel),
-           port_of(bulk),
+    printf("{\"pid\":%d,\"tunnel\":%d,\"opaque\":%d,\"bulk\":%d,\"tls\":%s}\n", getpid(),
+           port_of(tunnel), port_of(opaque), port_of(bulk),
 #ifdef BENCH_TLS
            "true"
 #else
@@ -1105,23 +1132,25 @@ static int upstream_main(void) {
     int ep = epoll_create1(EPOLL_CLOEXEC);
     struct epoll_event ev = {.events = EPOLLIN | EPOLLET, .data.fd = tunnel}, events[256];
     epoll_ctl(ep, EPOLL_CTL_ADD, tunnel, &ev);
+    ev.data.fd = opaque;
+    epoll_ctl(ep, EPOLL_CTL_ADD, opaque, &ev);
     for (;;) {
         int n = epoll_wait(ep, events, 256, -1);
         for (int i = 0; i < n; i++) {
             int fd = events[i].data.fd;
-            if (fd != tunnel) {
+            if (fd != tunnel && fd != opaque) {
                 upstream_read(&conns[fd], fd);
                 continue;
             }
             int c;
-            while ((c = accept4(tunnel, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC)) >= 0) {
+            while ((c = accept4(fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC)) >= 0) {
                 if ((size_t)c >= max_fd) {
                     close(c);
                     continue;
                 }
                 int one = 1;
                 setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-                conns[c] = (struct upstream_conn){{0}, 0, 0, 0};
+                conns[c] = (struct upstream_conn){{0}, 0, 0, 0, fd == opaque};
                 struct epoll_event cev = {.events = EPOLLIN | EPOLLRDHUP | EPOLLET, .data.fd = c};
                 epoll_ctl(ep, EPOLL_CTL_ADD, c, &cev);
             }
@@ -1161,7 +1190,7 @@ int main(int argc, char **argv) {
         {"timeout", required_argument, 0, 't'},   {"direction", required_argument, 0, 'd'},
         {"bytes", required_argument, 0, 'b'},     {"ca", required_argument, 0, 'C'},
         {"path", required_argument, 0, 'u'},      {"requests", required_argument, 0, 'r'},
-        {0, 0, 0, 0}};
+        {"address", required_argument, 0, 'a'},   {0, 0, 0, 0}};
     if (argc < 2)
         usage("usage: loadgen upstream|tunnels|bulk|https [options]");
     const char *mode = argv[1];
@@ -1192,6 +1221,13 @@ int main(int argc, char **argv) {
         case 'C': opt.ca = optarg; break;
         case 'u': opt.path = optarg; break;
         case 'r': opt.requests = number(optarg, 1, 1000000, "--requests"); break;
+        case 'a': {
+            struct in_addr in;
+            if (inet_pton(AF_INET, optarg, &in) != 1 || (ntohl(in.s_addr) >> 24) != 127)
+                usage("--address is an IPv4 address in 127.0.0.0/8");
+            opt.address = ntohl(in.s_addr);
+            break;
+        }
         default: usage("unknown option");
         }
     }

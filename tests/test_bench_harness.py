@@ -12,6 +12,7 @@ skipped with the harness's own note, and the C tests without gcc.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import json
 import os
@@ -21,6 +22,7 @@ import ssl
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,6 +46,7 @@ summary = importlib.import_module("bench_summary")
 http_bench = importlib.import_module("bench_http")
 dns_bench = importlib.import_module("bench_dns")
 workloads = importlib.import_module("bench_workloads")
+attributed = importlib.import_module("bench_attributed")
 
 GREETING = b"hello from upstream"
 # egress-proxy's bytecode, cached where the harness keeps it (gitignored): a start is not a compile.
@@ -255,6 +258,133 @@ def test_the_c_client_reports_refused_tunnels(built: Any, tmp_path: Path) -> Non
         # Without a warm-up the phase runs and counts the refusals as errors.
         result = phase([*command, "--count", "5", "--warmup", "0"], tmp_path, {})
         assert result["done"] == 0 and result["errors"] == 5
+
+
+@pytest.mark.parametrize("proxy", ["none", "connect", "socks5"])
+def test_the_c_client_sends_an_opaque_first_flight(built: Any, tmp_path: Path, proxy: str) -> None:
+    """The opaque workload's tunnels: an SSH identification line, not a ClientHello, to the
+    upstream's opaque port, which answers once it has read the whole line."""
+    target_file = loadgen.write_targets(
+        tmp_path / "opaque.bin", ["bench.test"], flight=loadgen.SSH_FLIGHT
+    )
+    assert target_file.read_bytes() == b"\x00\x0abench.test\x00\x0f" + loadgen.SSH_FLIGHT
+    with contextlib.ExitStack() as stack:
+        up = stack.enter_context(loadgen.upstream(built, tmp_path / "upstream.txt"))
+        assert len({up["tunnel"], up["opaque"], up["bulk"]}) == 3
+        relay = None if proxy == "none" else stack.enter_context(tcp_server(tiny_proxy))
+        command = loadgen.client_args(built, "tunnels", target_file, up["opaque"], proxy, relay)
+        command += ["--concurrency", "3", "--count", "30", "--seconds", "20", "--warmup", "2"]
+        result = phase(command, tmp_path, {"upstream": up["pid"]})
+        assert result["done"] == 30 and result["errors"] == 0, result["first_errors"]
+        # Nothing before the end of the line; the ready byte once it is there.
+        with socket.create_connection(("127.0.0.1", up["opaque"]), timeout=5) as sock:
+            sock.sendall(loadgen.SSH_FLIGHT[:-2])
+            sock.settimeout(0.3)
+            with pytest.raises(TimeoutError):
+                sock.recv(1)
+            sock.settimeout(5)
+            sock.sendall(b"\r\n")
+            assert sock.recv(1) == b"R"
+
+
+def test_the_c_client_connects_to_loopback_addresses_only(built: Any, tmp_path: Path) -> None:
+    target_file = loadgen.write_targets(tmp_path / "t.bin", ["bench.test"])
+    base = loadgen.client_args(built, "tunnels", target_file, 9, "none", None)
+    for address in ("10.0.0.1", "192.168.1.1", "::1", "127.0.0"):
+        done = subprocess.run(
+            [*base, "--address", address], capture_output=True, text=True, timeout=10
+        )
+        assert done.returncode == 2 and "127.0.0.0/8" in done.stderr, (address, done.stderr)
+
+
+def test_the_attributed_workload_says_why_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(attributed.os, "geteuid", lambda: 1000)
+    assert "needs root" in (attributed.unavailable() or "")
+    rules = attributed.nft_rules("127.0.0.5", 15001)
+    # root's connections (the proxy's own, direct's) to the upstream; everyone else's to the
+    # transparent listener; nothing but that loopback address is touched.
+    assert "meta skuid 0 redirect\n" in rules and "redirect to :15001" in rules
+    assert rules.count("ip daddr 127.0.0.5") == 2 and "daddr" not in rules.replace(
+        "ip daddr 127.0.0.5", ""
+    )
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create a network namespace")
+def test_attributed_connections_in_a_namespace_are_attributed_by_dns(built: Any) -> None:
+    """The attributed workload, small: egress-proxy's transparent listener in a namespace of the
+    harness's, an SSH first flight attributed by its DNS answer and TLS decided on its SNI, and
+    direct's client to the same address; the audit log says how each was attributed."""
+    if (why := attributed.unavailable()) is not None:
+        pytest.skip(why)
+    sys.path.insert(0, str(BENCHMARKS.parent / "tests"))
+    small = dataclasses.replace(
+        context.QUICK, warmup=2, latency_count=5, latency_s=5.0, rate_count=20, rate_s=5.0,
+        concurrency=(2,),
+    )  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="bench-test-") as name:
+        tmp = Path(name)
+        tmp.chmod(0o755)  # the client runs as nobody and reads its targets here
+        run = context.Run(
+            settings=small,
+            workloads=["attributed"],
+            tmp=tmp,
+            dns=None,
+            loadgen=built,
+            upstream={},
+            targets=loadgen.write_targets(tmp / "t.bin", ["bench.test"]),
+            opaque_targets=loadgen.write_targets(
+                tmp / "o.bin", ["bench.test"], flight=loadgen.SSH_FLIGHT
+            ),
+            env=egress.proxy_env(PYCACHE),
+            statuses={},
+            egress={"egress-proxy": egress.BUILTIN["egress-proxy"]},
+            base_config=egress.base_config(("127.0.0.1", 53), tmp / "ca", None),
+            log=lambda _: None,
+        )
+        with attributed.namespace(built, tmp / "namespace") as inside:
+            run.namespace = inside
+            results = {
+                config: attributed.attributed_workload(run, config, tmp / config)
+                for config in ("direct", "egress-proxy")
+            }
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert inside.name not in names  # removed
+    assert run.problems == []
+    for config, result in results.items():
+        assert result["address"] == attributed.ADDRESS
+        for kind in ("ssh", "tls"):
+            assert [result[kind][level]["tunnels"] for level in ("1", "2")] == [5, 20], config
+    audit = results["egress-proxy"]["audit"]
+    # The warm-ups (2 before the first phase, 10 before the others) and the phases: each by DNS.
+    assert audit["close ssh dns"] == 2 + 5 + 10 + 20
+    assert audit["close tls sni"] == 2 + 5 + 10 + 20
+    assert results["egress-proxy"]["ssh"]["2"]["proxy_cpu_us_per_tunnel"] > 0
+
+
+def test_the_opaque_check_is_a_ratio_within_rounds() -> None:
+    def sample(config: str, n: int, tls: float, opaque: float, **more: Any) -> dict[str, Any]:
+        cpu = lambda v: {"16": {"proxy_cpu_us_per_tunnel": v}}  # noqa: E731
+        return {"config": config, "round": n, "tunnels": cpu(tls), "opaque": cpu(opaque), **more}
+
+    attributed_sample = {"ssh": {"16": {"proxy_cpu_us_per_tunnel": 150.0}},
+                         "tls": {"16": {"proxy_cpu_us_per_tunnel": 300.0}}}  # fmt: skip
+    main = {
+        "egress-proxy": [
+            sample("egress-proxy", 0, 200.0, 180.0, attributed=attributed_sample),
+            sample("egress-proxy", 1, 400.0, 440.0),
+        ],
+        "squid": [sample("squid", 0, 100.0, 90.0), sample("squid", 1, 100.0, 110.0)],
+    }
+    checks = summary.opaque_checks(main, {"egress-proxy": egress.BUILTIN["egress-proxy"]})
+    row = checks["egress-proxy"]
+    assert row["opaque_vs_tls"] == pytest.approx((0.9 + 1.1) / 2)
+    assert row["opaque_vs_squid"] == pytest.approx((2.0 + 4.0) / 2)
+    assert row["attributed_vs_sni"] == pytest.approx(0.5)
+    assert row["attributed_vs_connect_tls"] == pytest.approx(0.75)
+    assert row["socks5_opaque_vs_tls"] is None
+    assert "squid" not in checks  # only egress-proxy configurations are judged
+    text = "\n".join(report.opaque_check_section(checks))
+    assert "**1.00x** (goal <= 1.0x: met)" in text and "squid: 3.00x" in text
 
 
 def https_origin(cert: Any, chunked: bool) -> Any:
