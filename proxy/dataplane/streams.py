@@ -147,7 +147,7 @@ async def opaque(
     then relayed to `dialled` (or a dial of the checked addresses now), or refused in the
     stream's own terms."""
     name = vetted.decision.host
-    connection.protocol = kind
+    connection.protocol = kind.value  # a plain str, as every other protocol is
     connection.target = f"{kind}://{authority(name, port)}"  # what a reload decides again
     decision = stream_decision(connection, kind, name, port)
     if not decision.allowed:
@@ -166,7 +166,7 @@ async def opaque(
         if dialled is None:
             return
     connection.door.vetter.allowed(
-        connection.peer, kind, stage="stream", vetted=vetted, port=port,
+        connection.peer, kind.value, stage="stream", vetted=vetted, port=port,
         **connection.attribution_context(),
     )  # fmt: skip
     relay(connection, dialled)

@@ -115,7 +115,7 @@ class Transparent(Connection):
                 break
         else:
             return None
-        self.protocol = FirstFlight.TCP
+        self.protocol = FirstFlight.TCP.value
         try:
             vetted = tunnel.vet_by_address(self, address, port, scheme=FirstFlight.TCP)
             dialled = await tunnel.dial_vetted(self, vetted, port)
@@ -135,7 +135,7 @@ class Transparent(Connection):
         """A stream that names no host: attributed to the names the session's DNS answered its
         address for, decided on them (`kind` on this port), relayed to that address."""
         assert self.original is not None and self.port is not None
-        self.protocol = kind
+        self.protocol = kind.value
         if self.early_refusal is not None:
             self.refuse_stream(self.early_refusal, kind, record=False)
             return
