@@ -16,9 +16,10 @@ too), a plain run's `deny` lines for `not_allowed` and `path_not_allowed`, an as
 denials nobody answered (`ask_timeout`, `ask_overloaded`), and the `allow-session` grants of its
 ask lines. Any other `deny` line (a block, an address rule, the ceiling, a person's `ask_denied`)
 is listed apart (`not_suggested`), as are allowed hosts no manifest entry can name (a platform
-destination, an IP address). The DNS responder's lines are counted (`dns_lines`) and left out: a query is not a
-connection, and the connection that follows it has a line of its own. Close lines are not
-decisions. A line that is not an audit line (truncated, corrupt) is counted in `skipped`.
+destination, an IP address). The DNS responder's lines are counted (`dns_lines`) and left
+out: a query is not a connection, and the connection that follows it has a line of its own.
+Close lines are not decisions. A line that is not an audit line (truncated, corrupt) is
+counted in `skipped`.
 
 Entries are host entries only, never URL prefixes: a host entry is the simplest entry that
 admits every path and port seen (in both formats a bare host covers every port; the operator's

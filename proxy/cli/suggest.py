@@ -145,7 +145,8 @@ def _print(found: Suggestion, logs: int, out: TextIO) -> None:
     count = len(found.entries)
     out.write(
         f"# egress-proxy suggest: {count} {'entry' if count == 1 else 'entries'} for "
-        f"{found.connections} connection(s) (allow, would_deny and lifted deny lines) in {logs} log(s)\n"
+        f"{found.connections} connection(s) (allow, would_deny and lifted deny lines) in "
+        f"{logs} log(s)\n"
     )
     if found.format == "agent.toml":
         _print_toml(found.entries, out)
