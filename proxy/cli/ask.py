@@ -14,8 +14,9 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
+import select
 import sys
-import time
 from typing import Any, TextIO
 
 from policy import PolicyError
@@ -91,15 +92,18 @@ def cmd_ask(args: argparse.Namespace, out: TextIO, err: TextIO | None = None) ->
         err.write(f"egress-proxy ask: watching {args.admin}; {PROMPT.strip()}\n")
         err.flush()
     seen: set[str] = set()
+    answers = _Lines(sys.stdin.fileno())
     while True:
-        ask = _next_ask(admin, seen)
+        ask = _next_ask(admin, seen, answers)
+        if ask is None:
+            return EXIT_OK
         seen.add(ask["id"])
         if args.json:
             out.write(json.dumps(ask, ensure_ascii=True) + "\n")
         else:
             out.write(printable(_line(ask)) + "\n" + PROMPT)
         out.flush()
-        decision = _read_answer(out, args.json)
+        decision = _read_answer(answers, out, args.json)
         if decision is None:
             return EXIT_OK
         status, result = admin.request("POST", f"/asks/{ask['id']}", {"decision": decision})
@@ -123,15 +127,56 @@ def _read_token(path: str) -> str:
     return read_or_create_token(path)
 
 
-def _next_ask(admin: _Admin, seen: set[str]) -> dict[str, Any]:
-    """The oldest pending ask not shown yet (waits for one)."""
+class _Lines:
+    """Standard input, a line at a time, read from its descriptor so that waiting for an ask
+    can also notice its end (a line typed ahead is kept for the next ask)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.buffer = b""
+        self.ended = False
+
+    def line(self, timeout: float | None) -> str | None:
+        """The next line; None when none came within `timeout`. EOFError at the end."""
+        while b"\n" not in self.buffer:
+            if self.ended:
+                if not self.buffer:
+                    raise EOFError
+                rest, self.buffer = self.buffer, b""
+                return rest.decode("utf-8", "replace")
+            readable, _, _ = select.select([self.fd], [], [], timeout)
+            if not readable:
+                return None
+            chunk = os.read(self.fd, 4096)
+            self.ended = not chunk
+            self.buffer += chunk
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return line.decode("utf-8", "replace")
+
+    def waiting(self) -> bool:
+        """Whether a whole line (or the end) is there already."""
+        return b"\n" in self.buffer or self.ended
+
+
+def _next_ask(admin: _Admin, seen: set[str], answers: _Lines) -> dict[str, Any] | None:
+    """The oldest pending ask not shown yet (waits for one); None once standard input ended."""
     while True:
         status, listed = admin.request("GET", "/asks")
         asks = listed.get("asks") if status == 200 and isinstance(listed, dict) else None
         for ask in asks or ():
             if isinstance(ask, dict) and isinstance(ask.get("id"), str) and ask["id"] not in seen:
                 return ask
-        time.sleep(POLL_SECONDS)
+        if answers.ended and not answers.buffer:
+            return None
+        if not answers.waiting():
+            # Wait on standard input meanwhile: its end ends the command even with no ask.
+            try:
+                typed = answers.line(POLL_SECONDS)
+            except EOFError:
+                return None
+            if typed is not None:
+                answers.buffer = typed.encode() + b"\n" + answers.buffer
+                select.select([], [], [], POLL_SECONDS)
 
 
 def _line(ask: dict[str, Any]) -> str:
@@ -147,12 +192,15 @@ def _line(ask: dict[str, Any]) -> str:
     )
 
 
-def _read_answer(out: TextIO, quiet: bool) -> str | None:
+def _read_answer(answers: _Lines, out: TextIO, quiet: bool) -> str | None:
     """One of KEYS from standard input, asked again until it is one; None at its end."""
     while True:
-        line = sys.stdin.readline()
-        if not line:
+        try:
+            line = answers.line(None)
+        except EOFError:
             return None
+        if line is None:
+            continue
         decision = KEYS.get(line.strip())
         if decision is not None:
             return decision
