@@ -29,13 +29,21 @@ from collections import OrderedDict
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from policy.asking import ANSWERS, SESSION_ANSWERS, Question, SessionGrants
 from proxy.decide.events import MAX_FIELD, MAX_PATH, timestamp
 
-if TYPE_CHECKING:
-    from proxy.decide.vetting import Peer
+
+class Peer(Protocol):
+    """The client connection that asks (proxy/decide/vetting.py Peer), as audit lines name it."""
+
+    @property
+    def client(self) -> tuple[str, int] | None: ...
+
+    @property
+    def connection(self) -> str: ...
+
 
 __all__ = ["CLIENT_GONE", "AskEvent", "AskLimits", "Asks", "Pending"]
 
