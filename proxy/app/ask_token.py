@@ -37,10 +37,11 @@ def read_or_create_token(path: str) -> str:
         return _create(path)
     except OSError as exc:
         raise _refused(path, f"cannot open it: {exc.strerror or exc}") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise _refused(path, "not a regular file")
     with os.fdopen(fd, "rb") as file:
-        info = os.fstat(file.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise _refused(path, "not a regular file")
         if info.st_uid != os.geteuid():
             raise _refused(path, f"owned by uid {info.st_uid}, not by the proxy's own user")
         if info.st_mode & 0o077:
