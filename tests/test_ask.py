@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import requests
+import trustme
 from dns import message as dnsmessage
 from dns import query as dnsquery
 from dns import rcode as dnsrcode
@@ -40,6 +41,7 @@ from running import (
     wait_for,
 )
 from test_clients import TLS_BODY, TLSUpstream, tls_upstream
+from test_credentials import recording_upstream, tls_context
 
 MANIFEST = "network:\n  egress: [allowed.test]\n"
 HOSTS = ("allowed.test", "asked.test", "tls.test", "other.test", "cut.test")
@@ -547,3 +549,31 @@ def test_the_ask_terminal_speaks_json(tmp_path: Path, dns: DNSServer) -> None:
             cwd=ROOT, capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+def test_inside_interception_a_request_is_held_on_its_path(tmp_path: Path, dns: DNSServer) -> None:
+    ca = trustme.CA()
+    upstream_ca = tmp_path / "upstream-ca.pem"
+    ca.cert_pem.write_to_path(str(upstream_ca))
+    dns.set("paths.test", a=[LOOPBACK])
+    with recording_upstream(tls_context(ca, "paths.test")) as (port, seen):
+        manifest = f"network_access:\n  allowed: ['https://paths.test:{port}/api/']\n"
+        extra = f"inspection:\n  ca_dir: {tmp_path / 'ca'}\n  upstream_ca: {upstream_ca}\n"
+        with asking(tmp_path, dns, manifest=manifest, extra=ASK_TIMEOUT + extra) as proxy:
+            trust = tmp_path / "client.pem"
+            trust.write_bytes((tmp_path / "ca" / "session-ca.pem").read_bytes())
+            url = f"https://paths.test:{port}/other/x"
+            held = curl_later(proxy, url, "--cacert", str(trust))
+            (ask,) = wait_asks(proxy)
+            assert (ask["plane"], ask["protocol"], ask["path"]) == ("l7", "https", "/other/")
+            assert ask["reason"] == "path_not_allowed"
+            assert ask["entry"] == f"https://paths.test:{port}/other/"
+            assert seen.heads == []
+            assert answer(proxy, ask["id"], "allow-session")[0] == 200
+            assert held.result(30).status == 200
+            # The grant is the URL prefix: inside it passes, outside it is asked again.
+            inside = curl(proxy.port, f"https://paths.test:{port}/other/y", "--cacert", str(trust))
+            assert inside.status == 200 and admin(proxy, "/asks")["asks"] == []
+            (grant,) = admin(proxy, "/grants")["grants"]
+            assert grant["path"] == "/other/" and grant["entry"] == ask["entry"]
+    assert [line.split()[1] for line, _ in seen.heads] == ["/other/x", "/other/y"]
