@@ -17,6 +17,7 @@ from functools import cached_property
 from typing import Any
 
 from policy.answers import AnswerChecker
+from policy.asking import DENY_SESSION, Question, SessionGrants, is_askable
 from policy.ceiling import Ceiling
 from policy.decisions import AddressDecision, Decision
 from policy.errors import PolicyError
@@ -28,9 +29,9 @@ from policy.manifests import Manifest
 from policy.operator import OperatorRules, PlatformDestination
 from policy.paths import PathDecision, decide_path
 from policy.reasons import Reason
-from policy.remedies import remedy
+from policy.remedies import entry, path_prefix, remedy
 from policy.rules import Rule
-from policy.trie import Match, SuffixTrie
+from policy.trie import Match, SubtreeIndex, SuffixTrie
 from policy.urls import RULE_SCHEME, STREAM_SCHEMES, TLS_SCHEMES, Target, parse_target
 
 __all__ = ["Grant", "Policy", "check_manifest", "compile_policy"]
@@ -366,12 +367,33 @@ class Policy:
     def learn(self, decision: Decision, target: str | Target) -> Decision:
         """Learning mode (`run --learn`): `decision` on `target`, let through (`would_deny`,
         reason kept) when it is a refusal only a manifest entry could lift
-        (policy/learning.py); any other decision as it is. A host with blocked URL prefixes
-        is let through only inspected (TLS), so that its blocks still hold on every request;
-        refused as `inspection_disabled` where inspection is off. Never raises: on anything
+        (policy/learning.py); any other decision as it is. Never raises: on anything
         unexpected the refusal stands (fail closed)."""
         if decision.allowed or not learnable(decision.reason):
             return decision
+        return self._let_through(
+            decision,
+            target,
+            f"{decision.message}; learning: let through",
+            "even while learning",
+            would_deny=True,
+        )
+
+    def _let_through(
+        self,
+        decision: Decision,
+        target: str | Target,
+        message: str,
+        why: str,
+        *,
+        would_deny: bool = False,
+        rule: str | None = None,
+    ) -> Decision:
+        """A refused name-stage `decision` turned into an allow (by learning, or by a person's
+        answer). A host with blocked URL prefixes, or one a path decided, is let through only
+        inspected (TLS), so that its blocks and paths still hold on every request; refused as
+        `inspection_disabled` where inspection is off. On anything unexpected the refusal
+        stands (fail closed)."""
         try:
             parsed = parse_target(target) if isinstance(target, str) else target
             tls = parsed.scheme is None or parsed.scheme in TLS_SCHEMES
@@ -381,8 +403,8 @@ class Policy:
                 return Decision(
                     False,
                     Reason.INSPECTION_DISABLED,
-                    f"{decision.host} has path rules, which need TLS inspection even while "
-                    "learning, and inspection is disabled",
+                    f"{decision.host} has path rules, which need TLS inspection {why}, and "
+                    "inspection is disabled",
                     decision.host,
                     decision.port,
                     decision.rule,
@@ -390,14 +412,109 @@ class Policy:
             let = dataclasses.replace(
                 decision,
                 allowed=True,
-                message=f"{decision.message}; learning: let through",
+                message=message,
                 needs_inspection=inspect,
-                would_deny=True,
+                would_deny=would_deny,
+                rule=rule if rule is not None else decision.rule,
             )
             if parsed.scheme in STREAM_SCHEMES:
-                # Learning lifts what a manifest entry would; the operator's ports still hold.
+                # What a manifest entry would lift is lifted; the operator's ports still hold.
                 return self._stream_port(let, parsed.scheme)
             return let
+        except Exception:
+            return decision
+
+    # -- asking a person (policy/asking.py) ----------------------------------------------------
+
+    @cached_property
+    def _ceiling_index(self) -> SubtreeIndex[Rule] | None:
+        if self.ceiling is None:
+            return None
+        return SubtreeIndex((rule.host or "", rule) for rule in self.ceiling.rules)
+
+    def ceiling_admits(self, host: str) -> bool:
+        """Whether the tenant ceiling admits `host` (a normalised name), declared or not: no
+        ceiling admits every name."""
+        index = self._ceiling_index
+        return index is None or (bool(host) and index.covering(host) is not None)
+
+    def question(self, decision: Decision, target: str | Target) -> Question | None:
+        """What a person would be asked about a refused `decision` on `target`, or None when
+        nobody may be asked (policy/asking.py): not a refusal a manifest entry lifts, outside
+        the ceiling, or a path no URL prefix admits on every reading. Never raises."""
+        if decision.allowed or not is_askable(decision.reason):
+            return None
+        try:
+            if not self.ceiling_admits(decision.host):
+                return None
+            if decision.reason == Reason.NOT_ALLOWED:
+                return Question(decision.host, decision.port)
+            parsed = parse_target(target) if isinstance(target, str) else target
+            if parsed.path is None or parsed.scheme is None:
+                return None
+            prefix = path_prefix(parsed.path)
+            if prefix is None:
+                return None
+            scheme = RULE_SCHEME.get(parsed.scheme)
+            return Question(decision.host, parsed.effective_port, prefix, scheme)
+        except Exception:
+            return None
+
+    def entry(self, decision: Decision, target: str | Target) -> str | None:
+        """The manifest entry, in this manifest's grammar, that would allow a refused
+        `decision` on `target` (policy/remedies.py `entry`); None where there is none."""
+        try:
+            parsed = parse_target(target) if isinstance(target, str) else target
+            return entry(
+                decision.reason,
+                decision.host,
+                manifest_format=self.manifest.format,
+                scheme=parsed.scheme,
+                port=parsed.effective_port,
+                path=parsed.path,
+            )
+        except Exception:
+            return None
+
+    def answered(
+        self, decision: Decision, target: str | Target, rule: str, *, allow: bool
+    ) -> Decision:
+        """A refused `decision` as a person's answer `rule` (an ask, a grant) decides it: let
+        through (inspected where paths or blocked prefixes need it), or refused as
+        `ask_denied`. The ceiling and every other refusal are not a person's to lift: only a
+        decision `question` admits is changed."""
+        if self.question(decision, target) is None:
+            return decision
+        host = decision.host
+        if not allow:
+            return Decision(
+                False,
+                Reason.ASK_DENIED,
+                f"{host} was refused by a person ({rule})",
+                host,
+                decision.port,
+                rule,
+            )
+        let = self._let_through(
+            decision, target, f"{host} is allowed by {rule} (a person's answer)",
+            "even when a person allows it", rule=rule,
+        )  # fmt: skip
+        return dataclasses.replace(let, reason=Reason.ALLOWED) if let.allowed else let
+
+    def granted(self, decision: Decision, target: str | Target, grants: SessionGrants) -> Decision:
+        """`decision` with the session's grants applied: a refusal a person may be asked about
+        that a grant answers is decided by that grant (`answered`); anything else as it is.
+        Never raises: on anything unexpected the refusal stands."""
+        try:
+            question = self.question(decision, target)
+            if question is None or not len(grants):
+                return decision
+            parsed = parse_target(target) if isinstance(target, str) else target
+            grant = grants.find(question, parsed)
+            if grant is None:
+                return decision
+            allow = grant.decision != DENY_SESSION
+            return self.answered(decision, parsed, grant.rule, allow=allow)
         except Exception:
             return decision
 

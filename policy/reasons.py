@@ -132,3 +132,7 @@ class Reason(StrEnum):
     DRAIN_TIMEOUT = "drain_timeout"  # the proxy stopped and the drain time ran out
     POLICY_RELOAD = "policy_reload"  # a reload no longer allows the connection's destination
     CLIENT_TLS_FAILED = "client_tls_failed"  # the client's TLS handshake with the engine failed
+    # -- asking a person (`run --ask`: policy/asking.py, proxy/decide/asks.py) ----------------
+    ASK_DENIED = "ask_denied"  # a person refused it, once or for the session
+    ASK_TIMEOUT = "ask_timeout"  # held, and nobody answered within limits.ask_timeout
+    ASK_OVERLOADED = "ask_overloaded"  # over the caps on pending asks or held connections

@@ -19,7 +19,7 @@ from policy.paths import canonical_prefix, decide_path, readings
 from policy.reasons import Reason
 from policy.urls import DEFAULT_PORTS, RULE_SCHEME
 
-__all__ = ["client_remedy", "path_prefix", "remedy"]
+__all__ = ["client_remedy", "entry", "path_prefix", "remedy"]
 
 _NO_ENTRY = "no manifest entry can allow it"
 
@@ -90,6 +90,18 @@ _CLIENT: dict[str, str] = {
 }
 
 
+# A person's answer (`run --ask`): the entry itself is named by the caller, which knows what was
+# asked (Policy.remedy of the refusal that was held); these say what else can be done.
+_ASKED: dict[str, str] = {
+    Reason.ASK_DENIED: "a person refused it for this session; declare it in the manifest if "
+    "it is needed",
+    Reason.ASK_TIMEOUT: "nobody answered in time: answer with 'egress-proxy ask', or declare it "
+    "in the manifest",
+    Reason.ASK_OVERLOADED: "too many connections wait for an answer: answer the pending asks, "
+    "or declare it in the manifest",
+}
+
+
 def client_remedy(reason: str) -> str | None:
     """The fix for a refusal that names no manifest entry (the client's own request); None
     when there is none to name (an overload, a timeout, a malformed request, a bug of ours)."""
@@ -133,6 +145,29 @@ def _url(host: str, scheme: str | None, port: int | None, prefix: str) -> str:
     return f"{rule_scheme}://{where}{prefix}"
 
 
+def entry(
+    reason: str,
+    host: str,
+    *,
+    manifest_format: str = "agent.yaml",
+    scheme: str | None = None,
+    port: int | None = None,
+    path: str | None = None,
+) -> str | None:
+    """The manifest entry that would allow a destination refused for `reason`, in the grammar
+    of `manifest_format`: the host for `not_allowed` (and for `path_not_allowed` in agent.yaml,
+    which has no URL prefixes), the URL prefix for `path_not_allowed` in agent.toml. None for
+    any other reason, or a path no prefix admits on every reading."""
+    if reason == Reason.NOT_ALLOWED:
+        return host
+    if reason != Reason.PATH_NOT_ALLOWED:
+        return None
+    if manifest_format != "agent.toml":
+        return host
+    prefix = path_prefix(path) if path is not None else None
+    return _url(host, scheme, port, prefix) if prefix is not None else None
+
+
 def remedy(
     reason: str,
     host: str,
@@ -150,8 +185,11 @@ def remedy(
     `scheme`, `port` and `path`: what was asked, for a URL prefix to add."""
     toml = manifest_format == "agent.toml"
     allowed = "network_access.allowed" if toml else "network.egress"
-    if reason == Reason.NOT_ALLOWED:
-        return f"add '{host}' to {allowed}"
+    if reason in (Reason.NOT_ALLOWED, Reason.PATH_NOT_ALLOWED):
+        added = entry(
+            reason, host, manifest_format=manifest_format, scheme=scheme, port=port, path=path
+        )
+        return f"add '{added}' to {allowed}" if added is not None else None
     if reason == Reason.OUTSIDE_CEILING:
         return (
             f"the tenant ceiling does not include '{host}': the operator must add it to the ceiling"
@@ -161,14 +199,8 @@ def remedy(
         if rule is not None:
             return f"remove {rule}{named}"
         return "remove the network_access.blocked entry that names it"
-    if reason == Reason.PATH_NOT_ALLOWED:
-        if not toml:
-            # agent.yaml has no URL prefixes: only the whole host can be added.
-            return f"add '{host}' to {allowed}"
-        prefix = path_prefix(path) if path is not None else None
-        if prefix is None:
-            return None
-        return f"add '{_url(host, scheme, port, prefix)}' to {allowed}"
+    if reason in _ASKED:
+        return _ASKED[reason]
     if reason == Reason.PORT_NOT_ALLOWED:
         where = f"port {port}" if port is not None else "this port"
         return f"{_NO_ENTRY}: the operator must add {where} to the port allow-list"

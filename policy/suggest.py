@@ -9,13 +9,17 @@ loading the list reads a file.
     found = collector.suggest("agent.yaml", registrable=psl.privatesuffix, ceiling=ceiling)
     found.entries      # ("api.example.com", 12 connections, first, last), ...
 
-What is read: `allow` and `would_deny` decision lines (a learning session's and a normal one's
-alike) become entries. A `deny` line never does, whatever its reason: that connection stopped at
-the stage that refused it, so nothing says its addresses would have passed; it is listed apart
-(`not_suggested`), as are allowed hosts no manifest entry can name (a platform destination, an
-IP address). The DNS responder's lines are counted (`dns_lines`) and left out: a query is not a
-connection, and the connection that follows it has a line of its own. Close lines are not
-decisions. A line that is not an audit line (truncated, corrupt) is counted in `skipped`.
+What is read: every connection whose refusal a manifest entry lifts becomes an entry, so that
+the manifest printed allows every connection the logs saw: `allow` and `would_deny` decision
+lines (a learning session's and a normal one's alike, a connection a person's grant allowed
+too), a plain run's `deny` lines for `not_allowed` and `path_not_allowed`, an asking session's
+denials nobody answered (`ask_timeout`, `ask_overloaded`), and the `allow-session` grants of its
+ask lines. Any other `deny` line (a block, an address rule, the ceiling, a person's `ask_denied`)
+is listed apart (`not_suggested`), as are allowed hosts no manifest entry can name (a platform
+destination, an IP address). The DNS responder's lines are counted (`dns_lines`) and left
+out: a query is not a connection, and the connection that follows it has a line of its own.
+Close lines are not decisions. A line that is not an audit line (truncated, corrupt) is
+counted in `skipped`.
 
 Entries are host entries only, never URL prefixes: a host entry is the simplest entry that
 admits every path and port seen (in both formats a bare host covers every port; the operator's
@@ -48,6 +52,11 @@ __all__ = ["Collector", "Outside", "Suggested", "Suggestion", "Unsuggested", "en
 
 # The decisions a line may carry; the first two are connections that went through.
 _PASSED = ("allow", "would_deny")
+# The refusals a manifest entry lifts (policy/asking.py ASKABLE), and the ones of a question
+# nobody answered: their hosts become entries.
+_LIFTED = frozenset(
+    {Reason.NOT_ALLOWED, Reason.PATH_NOT_ALLOWED, Reason.ASK_TIMEOUT, Reason.ASK_OVERLOADED}
+)
 _DECISIONS = (*_PASSED, "deny")
 # The audit log's time format (proxy/decide/events.py `timestamp`); compared as text.
 _TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?Z")
@@ -67,6 +76,10 @@ class _Tally:
 
     def add(self, time: str, port: int | None) -> None:
         self.connections += 1
+        self.seen(time, port)
+
+    def seen(self, time: str, port: int | None) -> None:
+        """A time and port without a connection (a grant)."""
         if not self.first or time < self.first:
             self.first = time
         if time > self.last:
@@ -186,6 +199,9 @@ class Collector:
             if not isinstance(record, dict):
                 self.skipped += 1
             return
+        if record.get("event") == "ask":
+            self._grant(record)
+            return
         read = _decision(record)
         if read is None:
             self.skipped += 1
@@ -194,7 +210,7 @@ class Collector:
         if protocol == _DNS:
             self.dns_lines += 1
             return
-        if decision == "deny":
+        if decision == "deny" and (reason not in _LIFTED or host is None):
             self._unsuggest(host, decision, reason, time, port)
             return
         self.connections += 1
@@ -204,6 +220,20 @@ class Collector:
             return
         assert host is not None
         self._passed.setdefault(host, _Tally()).add(time, port)
+
+    def _grant(self, record: dict[str, Any]) -> None:
+        """An ask line: an `allow-session` grant becomes an entry (the connections it let
+        through have allow lines of their own, counted there)."""
+        time, host, port = record.get("time"), record.get("host"), record.get("port")
+        if record.get("action") != "granted" or record.get("decision") != "allow-session":
+            return
+        if not (isinstance(time, str) and _TIME.fullmatch(time) and isinstance(host, str)):
+            self.skipped += 1
+            return
+        if _not_declarable(host, Reason.ALLOWED) is not None:
+            return
+        shown = port if type(port) is int and 0 < port < 65536 else None
+        self._passed.setdefault(host, _Tally()).seen(time, shown)
 
     def _unsuggest(
         self, host: str | None, decision: str, reason: str, time: str, port: int | None

@@ -27,9 +27,15 @@ ECH_MODES = (ECH_ALLOW, ECH_REFUSE)
 # `learn` (top level): whether `run --learn` may start. LEARN_ALLOW (the default): it may;
 # LEARN_FORBID: it exits naming the key, and a reload that brings it stops a learning session's
 # learning (proxy/app/runtime.py).
-LEARN_ALLOW = "allow"
-LEARN_FORBID = "forbid"
-LEARN_MODES = (LEARN_ALLOW, LEARN_FORBID)
+ALLOW = "allow"
+FORBID = "forbid"
+LEARN_ALLOW, LEARN_FORBID = ALLOW, FORBID
+LEARN_MODES = (ALLOW, FORBID)
+
+# `ask` (top level): whether `run --ask` may start, as `learn` says for `--learn`. ASK_FORBID:
+# it exits naming the key, before anything listens.
+ASK_ALLOW, ASK_FORBID = ALLOW, FORBID
+ASK_MODES = (ALLOW, FORBID)
 
 
 # `dns.attribution_grace`: how long past its TTL an answered address still names its host for a
@@ -49,6 +55,11 @@ class Limits:
     idle_timeout: float = 600.0
     header_timeout: float = 10.0
     max_connections: int = 1024
+    # Asking a person (`run --ask`, proxy/decide/asks.py): how long an ask waits for its
+    # answer, and how many asks may be pending and connections held for them at once.
+    ask_timeout: float = 30.0
+    max_asks: int = 64
+    max_held: int = 256
 
 
 class Secret:
@@ -109,6 +120,7 @@ class Config:
     inspection_mode: str = PREFIXES  # one of INSPECTION_MODES
     tls_ech: str = ECH_ALLOW  # one of ECH_MODES; a reload changes it for later tunnels
     learn: str = LEARN_ALLOW  # one of LEARN_MODES
+    ask: str = ASK_ALLOW  # one of ASK_MODES
     # Where the session's trust bundle and CA certificate are published (proxy/l7/trust.py);
     # None: beside the CA, once the CA is loaded. Set, the CA is loaded at start.
     trust_dir: str | None = None

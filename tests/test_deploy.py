@@ -674,3 +674,18 @@ def test_read_back_matches_what_was_rendered_and_notices_differences() -> None:
     differences = "\n".join(result["other"])
     assert "chain nat_output: 5 rules loaded, 3 rendered" in differences  # no explicit port
     assert "chain filter_output rule 1" in differences  # the exempt UID
+
+
+def test_sidecar_ask_token_is_the_proxys_alone() -> None:
+    """The token that answers asks (run --ask) is in a volume only the proxy mounts: the agent
+    shares the pod's network namespace and reaches the admin port, never the token."""
+    spec = one(shape_documents("sidecar"), "Pod")["spec"]
+    proxy = {c["name"]: c for c in spec["initContainers"]}["egress-proxy"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["ask-token"]["emptyDir"].get("medium") == "Memory"
+    (mount,) = [m for m in proxy["volumeMounts"] if m["name"] == "ask-token"]
+    text = (ROOT / "deploy" / "kubernetes" / "sidecar" / "pod.yaml").read_text()
+    assert f"--ask-token={mount['mountPath']}/token" in text
+    for container in all_containers(spec):
+        if container is not proxy:
+            assert "ask-token" not in {m["name"] for m in container.get("volumeMounts", [])}

@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -620,3 +621,72 @@ def test_a_signal_during_activation_tears_down_and_command_never_runs(
     assert session.status["outcome"] == "interrupted"
     assert "interrupted by SIGINT before COMMAND started" in session.stderr
     assert not marker.exists()
+
+
+def test_ask_the_agent_cannot_read_the_token_nor_answer_its_own_ask(
+    tmp_path: Path, world: World, subnets: Subnets
+) -> None:
+    """`sandbox --ask`: the agent's connection to a name the manifest does not allow is held;
+    from inside, the agent can neither read the token nor reach the admin listener (directly,
+    through the proxy, or at the host side's address); a person outside answers."""
+    shared = writable(world)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        admin_port = probe.getsockname()[1]
+    proxy = 'curl -sS -m 5 -o /dev/null -w "%{http_code}"'
+    script = (
+        f"curl -sS -m 60 --cacert {world.ca_file} https://denied.test:{world.port}/ "
+        f"> {shared}/held.out 2>&1 & "
+        f"sleep 1; "
+        f"for f in {tempfile.gettempdir()}/egress-sb-*/ask-token; do "
+        f'  if cat "$f" >/dev/null 2>&1; then echo token=read; else echo token=unreadable; fi; '
+        f"done; "
+        f"echo direct=$({proxy} --noproxy '*' http://127.0.0.1:{admin_port}/asks 2>/dev/null); "
+        f"echo via_proxy=$({proxy} http://127.0.0.1:{admin_port}/asks 2>/dev/null); "
+        f"echo host_side=$({proxy} --noproxy '*' http://{subnets.host4}:{admin_port}/asks "
+        f"2>/dev/null); "
+        f"echo post=$({proxy} -X POST -H 'Content-Type: application/json' "
+        f'--data \'{{"decision":"allow-once"}}\' http://127.0.0.1:{admin_port}/asks/x '
+        f"2>/dev/null); "
+        f"touch {shared}/tried; wait; cat {shared}/held.out"
+    )
+    process = subprocess.Popen(
+        sandbox_command(
+            tmp_path, world, subnets, "--ask", "--admin", f"127.0.0.1:{admin_port}",
+            command=["/bin/sh", "-c", script],
+        ),
+        cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        wait_ready(process, shared / "tried")
+        base = f"http://127.0.0.1:{admin_port}"
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(f"{base}/asks", timeout=10) as response:
+            (ask,) = json.loads(response.read())["asks"]
+        assert ask["host"] == "denied.test" and ask["entry"] == "denied.test"
+        token_files = list(Path(tempfile.gettempdir()).glob("egress-sb-*/ask-token"))
+        assert len(token_files) == 1 and (token_files[0].stat().st_mode & 0o077) == 0
+        assert (token_files[0].parent.stat().st_mode & 0o077) == 0
+        request = urllib.request.Request(
+            f"{base}/asks/{ask['id']}",
+            data=json.dumps({"decision": "allow-once"}).encode(),
+            method="POST",
+            headers={"Authorization": f"Bearer {token_files[0].read_text().strip()}"},
+        )
+        with opener.open(request, timeout=10) as response:
+            assert response.status == 200
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert "token=read" not in stdout, stdout
+    lines = dict(line.split("=", 1) for line in stdout.splitlines() if "=" in line)
+    assert lines["direct"] in ("000", ""), stdout
+    assert lines["via_proxy"] == "403", stdout
+    assert lines["host_side"] in ("000", "403", ""), stdout
+    assert lines["post"] in ("000", "403", ""), stdout  # refused by the proxy (ip_literal)
+    assert stdout.rstrip().endswith("hello"), stdout  # the held connection, once allowed
+    assert "egress-proxy ask --admin" in stderr or " ask --admin " in stderr, stderr
+    assert str(token_files[0]) in stderr

@@ -229,11 +229,12 @@ def test_ceiling_lists_apart_what_it_would_refuse(tmp_path: Path) -> None:
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
-def test_json_shape_denials_apart_dns_left_out_and_corrupt_lines_counted() -> None:
+def test_json_shape_lifted_denials_in_others_apart_dns_left_out_and_corrupt_lines_counted() -> None:
     stdin = "\n".join(
         [
             line("api.good.test", "would_deny", "outside_ceiling"),
-            line("evil.test", "deny", "not_allowed"),  # refused in a normal run: not suggested
+            line("evil.test", "deny", "not_allowed"),  # refused in a normal run: an entry lifts it
+            line("nope.test", "deny", "ask_denied"),  # a person said no: apart
             line("private.test", "deny", "private"),
             line(None, "deny", "invalid_request"),
             line("gateway.svc.cluster.local", reason="platform_destination"),
@@ -257,18 +258,19 @@ def test_json_shape_denials_apart_dns_left_out_and_corrupt_lines_counted() -> No
     assert found["format"] == "agent.yaml"
     assert found["entries"] == [
         {
-            "entry": "api.good.test",
+            "entry": entry,
             "connections": 1,
             "first": "2026-12-01T10:00:00.000Z",
             "last": "2026-12-01T10:00:00.000Z",
             "ports": [443],
         }
+        for entry in ("evil.test", "api.good.test")
     ]
     assert found["outside_ceiling"] == []
-    assert found["skipped_lines"] == 7 and found["dns_lines"] == 1 and found["connections"] == 2
+    assert found["skipped_lines"] == 7 and found["dns_lines"] == 1 and found["connections"] == 3
     unsuggested = {(u["host"], u["decision"], u["reason"]) for u in found["not_suggested"]}
     assert unsuggested == {
-        ("evil.test", "deny", "not_allowed"),
+        ("nope.test", "deny", "ask_denied"),
         ("private.test", "deny", "private"),
         (None, "deny", "invalid_request"),
         ("gateway.svc.cluster.local", "allow", "platform_destination"),

@@ -22,6 +22,8 @@ from proxy.app.credentials import read_credentials
 from proxy.errors import ProxyError
 from proxy.settings import (
     ALL,
+    ASK_ALLOW,
+    ASK_MODES,
     DEFAULT_ATTRIBUTION_GRACE,
     DEFAULT_CA_DIR,
     ECH_ALLOW,
@@ -46,14 +48,25 @@ SECTIONS: dict[str, tuple[str, ...] | None] = {
     "opaque_ports": None,
     "inspection": ("enabled", "ca_dir", "upstream_ca", "mode", "trust_dir"),
     "tls": ("ech",),
-    "limits": ("connect_timeout", "idle_timeout", "header_timeout", "max_connections"),
+    "limits": (
+        "connect_timeout",
+        "idle_timeout",
+        "header_timeout",
+        "max_connections",
+        "ask_timeout",
+        "max_asks",
+        "max_held",
+    ),
     "internal_suffixes": None,
     "learn": None,
+    "ask": None,
     "credentials": None,  # proxy/app/credentials.py
 }
 _PLATFORM_KEYS = ("host", "ports", "cidrs")
 # Far more than one session's file descriptors allow; a larger number is a typo.
 MAX_CONNECTIONS = 1_000_000
+# Each pending ask is a line a person reads: more than this is no longer a question anyone answers.
+MAX_ASKS = 10_000
 
 
 def load_config(data: bytes | str, *, source: str = "<config>") -> Config:
@@ -92,6 +105,7 @@ def load_config(data: bytes | str, *, source: str = "<config>") -> Config:
     limits = _limits(section("limits"))
     suffixes = _internal_suffixes(top)
     learn = top.choice("learn", LEARN_MODES, LEARN_ALLOW)
+    ask = top.choice("ask", ASK_MODES, ASK_ALLOW)
     credentials = read_credentials(top, inspection_enabled=enabled)
     reader.finish()
     operator = OperatorRules(
@@ -113,6 +127,7 @@ def load_config(data: bytes | str, *, source: str = "<config>") -> Config:
         inspection_mode=mode,
         tls_ech=ech,
         learn=learn,
+        ask=ask,
         trust_dir=trust_dir,
         credentials=credentials,
         attribution_grace=grace,
@@ -270,6 +285,11 @@ def _limits(limits: Section) -> Limits:
         header_timeout=limits.duration("header_timeout", defaults.header_timeout),
         max_connections=limits.number(
             "max_connections", 1, MAX_CONNECTIONS, "a connection limit", defaults.max_connections
+        ),
+        ask_timeout=limits.duration("ask_timeout", defaults.ask_timeout),
+        max_asks=limits.number("max_asks", 1, MAX_ASKS, "a number of asks", defaults.max_asks),
+        max_held=limits.number(
+            "max_held", 1, MAX_CONNECTIONS, "a number of held connections", defaults.max_held
         ),
     )
 

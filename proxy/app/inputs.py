@@ -23,7 +23,7 @@ from proxy.app.config import Config, load_config
 from proxy.app.credentials import check_credentials
 from proxy.app.secrets import load_secrets
 from proxy.errors import ProxyError
-from proxy.settings import LEARN_FORBID
+from proxy.settings import FORBID
 
 
 def read_input(path: str) -> bytes:
@@ -138,14 +138,13 @@ def compile_inputs(inputs: Inputs) -> Compiled:
     return Compiled(policy, load_secrets(config))
 
 
-def refuse_forbidden_learning(config: Config) -> None:
-    """Learning mode (`--learn`) where the operator config says `learn: forbid`: ProxyError
-    naming the key, before anything is started."""
-    if config.learn == LEARN_FORBID:
+def refuse_forbidden(config: Config, mode: str) -> None:
+    """A session mode (`learn` for `--learn`, `ask` for `--ask`) where the operator config's
+    key of that name says `forbid`: ProxyError naming the key, before anything is started."""
+    if getattr(config, mode) == FORBID:
         where = f" ({config.source})" if config.source else ""
         raise ProxyError(
-            "learn_forbidden",
-            f"--learn is forbidden by the operator config{where}: its key 'learn' is "
-            f"'{LEARN_FORBID}'",
+            f"{mode}_forbidden",
+            f"--{mode} is forbidden by the operator config{where}: its key '{mode}' is '{FORBID}'",
             source=config.source,
         )

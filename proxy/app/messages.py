@@ -39,3 +39,11 @@ def try_it(listener: Listener) -> str:
         return f"redirect the session's TCP to {where} (nft ... tcp dport {{80, 443}} redirect)"
     option = "-x http://" if listener.scheme == "http" else "--socks5-hostname "
     return f"curl {option}{where} https://pypi.org/simple/"
+
+
+def asking(admin: str, token: str) -> str:
+    """What `run --ask` says at start: that refusals wait for a person, and how to answer."""
+    return (
+        "ASK MODE (--ask): connections the manifest does not allow are HELD until a person "
+        f"answers; answer with: egress-proxy ask --admin {admin} --token {token}"
+    )

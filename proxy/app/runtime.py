@@ -39,6 +39,14 @@ operator config says `learn: forbid`. A SIGHUP reload whose config says `learn: 
 learning for good (fail closed: the session goes on enforcing, and the live connections only
 learning let through are closed), even when the rest of that reload fails; a later
 `learn: allow` does not turn it back on.
+
+Asking mode (`ask_token=FILE`, `run --ask --ask-token FILE`): every Vetter holds the refusals a
+person may be asked about (policy/asking.py) until someone answers on the admin listener with
+the token in FILE (proxy/app/ask_token.py: read, or created before anything listens); one
+`Asks` (proxy/decide/asks.py) is shared by every plane, and its grants outlive reloads. A
+reload re-decides the pending asks under the new policy (`Asks.reconsider`); one whose config
+says `ask: forbid` stops asking for good, as `learn: forbid` stops learning: the held
+connections are refused and the grants no longer apply.
 """
 
 from __future__ import annotations
@@ -54,10 +62,12 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from policy import Policy, PolicyError
 from proxy import __version__
+from proxy.app.ask_token import read_or_create_token
 from proxy.app.checks import needs_restart, refuse_own_nameservers
-from proxy.app.inputs import Compiled, Inputs, compile_inputs, refuse_forbidden_learning
-from proxy.app.messages import LEARNING, PrintableFormatter, listening, try_it
+from proxy.app.inputs import Compiled, Inputs, compile_inputs, refuse_forbidden
+from proxy.app.messages import LEARNING, PrintableFormatter, asking, listening, try_it
 from proxy.dataplane.frontdoor import FrontDoor
+from proxy.decide.asks import AskLimits, Asks
 from proxy.decide.attribution import Attribution
 from proxy.decide.interception import engine_needed
 from proxy.decide.vetting import Vetter
@@ -71,7 +81,7 @@ from proxy.ops.audit import AuditLog
 from proxy.ops.denials import Denials
 from proxy.ops.metrics import Metrics
 from proxy.ops.readiness import Readiness
-from proxy.settings import LEARN_FORBID
+from proxy.settings import FORBID, Limits
 from proxy.terminal import printable
 
 if TYPE_CHECKING:
@@ -98,9 +108,12 @@ class Runtime:
         err: TextIO | None = None,
         dns_listen: Sequence[Listener] = (),
         learn: bool = False,
+        ask_token: str | None = None,
     ) -> None:
         self.inputs = inputs
         self.learning = learn
+        self.ask_token = ask_token  # the token file: asking mode
+        self.asks: Asks | None = None
         self.compiled = compiled
         self.listen = listen
         self.dns_listen = dns_listen
@@ -164,7 +177,12 @@ class Runtime:
         config = self.compiled.config
         if self.learning:
             # Before anything is opened or bound: a forbidden learning session never starts.
-            refuse_forbidden_learning(config)
+            refuse_forbidden(config, "learn")
+        token = None
+        if self.ask_token is not None:
+            refuse_forbidden(config, "ask")
+            # Before the admin listener: `/readyz` never answers before the token exists.
+            token = read_or_create_token(self.ask_token)
         self._log_handler = self._log_to_stderr()
         self.metrics.set_build_info(__version__, platform.python_version())
         self.readiness.set("policy_compiled", True)
@@ -182,6 +200,9 @@ class Runtime:
                 f"cannot open the audit log {self.audit_path}: {exc.strerror or exc}",
             ) from None
         self.resolver = resolver
+        self.readiness.asking = token is not None
+        if token is not None:
+            self.asks = _asks(config.limits, self.audit, self.metrics)
         try:
             ca = None
             if engine_needed(self.compiled.policy, config):
@@ -195,7 +216,13 @@ class Runtime:
 
                 ca = ensure_ca(config.ca_dir)
             trust = self._publish_trust(ca) if ca is not None else None
-            self.admin = AdminServer(self.readiness, self.metrics.render, denials=self.denials)
+            self.admin = AdminServer(
+                self.readiness,
+                self.metrics.render,
+                denials=self.denials,
+                asks=self.asks,
+                token=token,
+            )
             admin_host, admin_port = await self.admin.start(*self.admin_address)
             dns_bound = await self._start_dns(resolver)
             if self.engine is not None:
@@ -223,6 +250,8 @@ class Runtime:
             self._install_signals()
             if self.learning:
                 self.say(LEARNING)
+            if self.ask_token is not None:
+                self.say(asking(format_listen(admin_host, admin_port), self.ask_token))
             self.say(
                 f"listening on {listening(listeners)} "
                 f"(admin http://{format_listen(admin_host, admin_port)}/readyz /metrics); "
@@ -246,6 +275,7 @@ class Runtime:
             self.audit,
             plane="l4",
             learn=self.learning,
+            asks=self.asks,
         )
 
     # -- the DNS listeners ----------------------------------------------------------------------
@@ -272,6 +302,7 @@ class Runtime:
             self.compiled.policy, self.resolver, self.compiled.config, self.metrics, self.audit
         )
         self.engine.vetter.learn = self.learning
+        self.engine.vetter.asks = self.asks
         return self.engine
 
     async def engine_for_intercept(self) -> Engine:
@@ -346,6 +377,8 @@ class Runtime:
         if self.engine is not None:
             with contextlib.suppress(Exception):
                 await self.engine.stop()
+        if self.asks is not None:
+            self.asks.close()
         if self.admin is not None:
             with contextlib.suppress(Exception):
                 await self.admin.stop()
@@ -376,8 +409,10 @@ class Runtime:
                 return False
             if self.front is None or self._stop.is_set():
                 return False
-            if self.learning and compiled.config.learn == LEARN_FORBID:
+            if self.learning and compiled.config.learn == FORBID:
                 self._stop_learning(compiled.config.source)
+            if self.asks is not None and compiled.config.ask == FORBID:
+                self._stop_asking(compiled.config.source)
             old = self.compiled.config
             new = compiled.config
             restart = needs_restart(old, new)
@@ -410,6 +445,9 @@ class Runtime:
                 self.engine.set_credentials(new.credentials)
             if self.dns is not None:
                 self.dns.set_policy(compiled.policy)
+            if self.asks is not None and self.front is not None:
+                # Held connections are decided under the new policy where it says otherwise.
+                self.asks.reconsider(self.front.vetter.still_asked)
             self.compiled = compiled
             self.metrics.reload(ok=True)
             self.warn_findings(compiled.policy)
@@ -419,16 +457,39 @@ class Runtime:
             )
             return True
 
+    def _vetters(self) -> list[Vetter]:
+        vetters = [self.front.vetter if self.front is not None else None]
+        vetters += [self.engine.vetter if self.engine is not None else None]
+        vetters += [self.dns.responder.vetter if self.dns is not None else None]
+        return [vetter for vetter in vetters if vetter is not None]
+
+    def _stop_asking(self, source: str | None) -> None:
+        """Asking off in every plane, for the rest of the session: the held connections are
+        refused, and the live ones only a person's answer let through are closed."""
+        asks, self.asks = self.asks, None
+        for vetter in self._vetters():
+            vetter.asks = None
+        self.readiness.asking = False
+        if asks is not None:
+            asks.reconsider(lambda target: False)
+            asks.close()
+        closed: list[str] = []
+        if self.front is not None:
+            closed += self.front.set_policy(self.compiled.policy)
+        if self.engine is not None:
+            closed += self.engine.set_policy(self.compiled.policy)
+        self.say(
+            f"ASKING STOPPED: the config ({source or 'reloaded'}) now says 'ask: forbid'; "
+            f"nothing is held for a person from now on and the session's grants no longer "
+            f"apply ({len(closed)} live connection(s) only a person's answer let through closed)"
+        )
+
     def _stop_learning(self, source: str | None) -> None:
         """Learning off in every plane, for the rest of the session, and the live connections
         only learning let through closed (re-decided on the running policy, now without it)."""
         self.learning = False
-        vetters = [self.front.vetter if self.front is not None else None]
-        vetters += [self.engine.vetter if self.engine is not None else None]
-        vetters += [self.dns.responder.vetter if self.dns is not None else None]
-        for vetter in vetters:
-            if vetter is not None:
-                vetter.learn = False
+        for vetter in self._vetters():
+            vetter.learn = False
         self.readiness.learning = False
         self.metrics.learn_mode(False)
         closed: list[str] = []
@@ -454,10 +515,13 @@ def run(
     err: TextIO | None = None,
     dns_listen: Sequence[Listener] = (),
     learn: bool = False,
+    ask_token: str | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT; 0 after a clean drain. Raises ProxyError on bind failures.
     `dns_listen`: the DNS responder's listeners (Listener("dns", host, port)), UDP and TCP.
-    `learn`: learning mode (ProxyError 'learn_forbidden' where the config forbids it)."""
+    `learn`: learning mode (ProxyError 'learn_forbidden' where the config forbids it).
+    `ask_token`: asking mode, answered with the token in this file (ProxyError
+    'ask_forbidden' where the config forbids it, 'ask_token' for a file that cannot be used)."""
 
     async def main() -> int:
         runtime = Runtime(
@@ -470,6 +534,7 @@ def run(
             err=err,
             dns_listen=dns_listen,
             learn=learn,
+            ask_token=ask_token,
         )
         if loop_note is not None:
             runtime.say(loop_note)
@@ -477,6 +542,16 @@ def run(
 
     factory, loop_note = event_loop_factory()
     return asyncio.run(main(), loop_factory=factory)
+
+
+def _asks(limits: Limits, audit: AuditLog | None, metrics: Metrics) -> Asks:
+    return Asks(
+        AskLimits(
+            timeout=limits.ask_timeout, max_pending=limits.max_asks, max_held=limits.max_held
+        ),
+        audit=audit.write if audit is not None else None,
+        count=metrics.ask,
+    )
 
 
 def event_loop_factory() -> tuple[Callable[[], asyncio.AbstractEventLoop], str | None]:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import NoReturn, TextIO
 
 from policy import PolicyError
+from proxy.cli.ask import add_ask_parser, cmd_ask
 from proxy.cli.boundary import add_boundary_parser, cmd_boundary
 from proxy.cli.check import add_check_parsers, cmd_check, cmd_classify, cmd_explain
 from proxy.cli.output import (
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sandbox_parser(sub)
     add_suggest_parser(sub)
     add_trust_parser(sub)
+    add_ask_parser(sub)
     return parser
 
 
@@ -61,6 +63,7 @@ COMMANDS = {
     "sandbox": cmd_sandbox,
     "suggest": cmd_suggest,
     "trust": cmd_trust,
+    "ask": cmd_ask,
 }
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any, TextIO
 
+from policy import PolicyError
 from policy.manifests import FORMATS
 
 
@@ -45,11 +47,25 @@ def add_run_parser(sub: Any) -> None:
     )
     run.add_argument("--session-id", metavar="ID", help="session id written on every audit line")
     run.add_argument("--audit-log", metavar="FILE", help="append audit lines here (default stdout)")
-    run.add_argument(
+    modes = run.add_mutually_exclusive_group()
+    modes.add_argument(
         "--learn",
         action="store_true",
         help="learning mode: let through (audited as would_deny) what only a manifest entry "
         "would allow, for 'egress-proxy suggest'; refused where the config says 'learn: forbid'",
+    )
+    modes.add_argument(
+        "--ask",
+        action="store_true",
+        help="asking mode: hold what only a manifest entry would allow until a person answers "
+        "on the admin listener (egress-proxy ask); needs --ask-token; refused where the config "
+        "says 'ask: forbid'",
+    )
+    run.add_argument(
+        "--ask-token",
+        metavar="FILE",
+        help="with --ask: the file holding the token that answers asks (created 0600 with a "
+        "fresh token when absent; refused when group or others can read it)",
     )
 
 
@@ -58,6 +74,13 @@ def cmd_run(args: argparse.Namespace, out: TextIO) -> int:
     from proxy.app import inputs, runtime
     from proxy.netaddr import check_listeners, parse_dns_listener, parse_listen, parse_listener
 
+    if args.ask != bool(args.ask_token):
+        raise PolicyError(
+            "usage",
+            "run: --ask needs --ask-token FILE (the token that answers asks)"
+            if args.ask
+            else "run: --ask-token is for --ask",
+        )
     # `--mode transparent` is sugar: a listener written without a scheme is transparent.
     bare = "transparent" if args.mode == "transparent" else "http"
     listen = [parse_listener(text, bare=bare) for text in args.listen or ["127.0.0.1:3128"]]
@@ -78,4 +101,5 @@ def cmd_run(args: argparse.Namespace, out: TextIO) -> int:
         audit_log=args.audit_log,
         dns_listen=dns_listen,
         learn=args.learn,
+        ask_token=os.path.abspath(args.ask_token) if args.ask else None,
     )

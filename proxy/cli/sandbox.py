@@ -64,11 +64,19 @@ def add_sandbox_parser(sub: Any) -> None:
         help="write {outcome, exit_status, command_status, message} as JSON here at the end",
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no line when COMMAND starts")
-    p.add_argument(
+    modes = p.add_mutually_exclusive_group()
+    modes.add_argument(
         "--learn",
         action="store_true",
         help="the session proxy runs in learning mode (run --learn): what only a manifest "
         "entry would allow is let through and audited as would_deny",
+    )
+    modes.add_argument(
+        "--ask",
+        action="store_true",
+        help="the session proxy runs in asking mode (run --ask): what only a manifest entry "
+        "would allow waits for a person's answer, given from another terminal with the "
+        "'egress-proxy ask' command printed on stderr (its token is out of COMMAND's reach)",
     )
     p.add_argument("command_argv", nargs="*", metavar="COMMAND", help="after '--': what to run")
     _command_after_double_dash(p)
@@ -145,6 +153,7 @@ def options_from(args: argparse.Namespace, environ: dict[str, str]) -> Options:
         quiet=args.quiet,
         command=tuple(command),
         learn=args.learn,
+        ask=args.ask,
     )
 
 
@@ -169,7 +178,9 @@ def cmd_sandbox(args: argparse.Namespace, out: TextIO, err: TextIO | None = None
         )
     )  # fmt: skip
     if options.learn:
-        inputs.refuse_forbidden_learning(compiled.config)
+        inputs.refuse_forbidden(compiled.config, "learn")
+    if options.ask:
+        inputs.refuse_forbidden(compiled.config, "ask")
     missing = missing_capabilities()
     if missing:
         err.write(

@@ -28,7 +28,10 @@ def add_suggest_parser(sub: Any) -> None:
         help="the manifest entries that would have allowed every connection in audit logs",
         description="Read audit logs (of 'run', with or without --learn) and print the "
         "smallest set of manifest entries that would have allowed every connection they saw "
-        "(allow and would_deny lines): host entries, with connections, first and last time.",
+        "(allow and would_deny lines, the denials a manifest entry lifts: not_allowed, "
+        "path_not_allowed, unanswered asks, and the grants of an asking session): host "
+        "entries, with connections, first and last time; --ceiling lists apart what the "
+        "ceiling refuses.",
     )
     p.add_argument("logs", nargs="+", metavar="AUDIT_LOG", help="audit log files ('-': stdin)")
     p.add_argument(
@@ -142,7 +145,8 @@ def _print(found: Suggestion, logs: int, out: TextIO) -> None:
     count = len(found.entries)
     out.write(
         f"# egress-proxy suggest: {count} {'entry' if count == 1 else 'entries'} for "
-        f"{found.connections} connection(s) (allow and would_deny lines) in {logs} log(s)\n"
+        f"{found.connections} connection(s) (allow, would_deny and lifted deny lines) in "
+        f"{logs} log(s)\n"
     )
     if found.format == "agent.toml":
         _print_toml(found.entries, out)

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from policy.reasons import Reason
+from proxy.decide.asks import CLIENT_GONE
 from proxy.decide.events import CloseEvent
 from proxy.decide.interception import Destination
 from proxy.decide.vetting import Peer, next_connection_id
@@ -155,8 +156,24 @@ class Connection(asyncio.Protocol):
     def spawn(self, work: Any) -> None:
         """Runs the coroutine `work` as this connection's setup task; a failure in it is a
         denial (fail closed), never a crash."""
-        self.task = asyncio.get_running_loop().create_task(work)
+        # The task learns how to tell that its client has gone while it waits for a person
+        # (proxy/decide/asks.py); a task copies the context it is created in.
+        token = CLIENT_GONE.set(self.abandoned)
+        try:
+            self.task = asyncio.get_running_loop().create_task(work)
+        finally:
+            CLIENT_GONE.reset(token)
         self.task.add_done_callback(self._task_done)
+
+    def abandoned(self) -> bool:
+        """While its setup waits for a person's answer: whether the client went away (closed,
+        reset, or ended its side, which no client waiting for a CONNECT or SOCKS5 reply does).
+        Such a connection is ended here, which cancels the waiting task."""
+        if not (self.gone or self.client_eof):
+            return False
+        if not self.gone:
+            self.transport.abort()
+        return True
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():

@@ -18,8 +18,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from policy.asking import ALLOW_ONCE, ALLOW_SESSION, Question
+from policy.decisions import Decision
 from policy.hostnames import normalize_host, parse_ip_literal
 from policy.reasons import Reason
+from proxy.decide.asks import OVERLOADED, RELOAD, TIMEOUT, Asks
 from proxy.decide.events import DecisionEvent
 from proxy.errors import ProxyError
 from proxy.reasons import Refused, authority
@@ -27,7 +30,7 @@ from proxy.reasons import Refused, authority
 # The resolver's reason for NOERROR with no A or AAAA record (proxy/net/resolver.py).
 
 if TYPE_CHECKING:
-    from policy import AddressDecision, Decision, Policy
+    from policy import AddressDecision, Policy
     from proxy.decide.events import AuditSink, MetricsSink
 
 
@@ -47,6 +50,9 @@ class Resolves(Protocol):
 
     async def resolve(self, host: str) -> Answer: ...
 
+
+# The refusals of a person's answer (or of its absence): their remedy is the entry asked about.
+_ASKED = frozenset({Reason.ASK_DENIED, Reason.ASK_TIMEOUT, Reason.ASK_OVERLOADED})
 
 # What a decision line says happened: `would_deny` is a connection let through by learning mode.
 ALLOW, DENY, WOULD_DENY = "allow", "deny", "would_deny"
@@ -129,7 +135,9 @@ class Vetter:
     """Decides destinations for one plane (`l4` or `l7`); `policy` and `resolver` are swapped
     by a reload, and a decision in flight keeps the policy it started with. `learn`: learning
     mode (`run --learn`, Policy.learn): a refusal only a manifest entry could lift is let
-    through and written as `would_deny`; a reload may turn it off, never on."""
+    through and written as `would_deny`; a reload may turn it off, never on. `asks`: asking
+    mode (`run --ask`, proxy/decide/asks.py, shared by every Vetter): such a refusal is held
+    while a person decides, and the session's grants apply to every decision."""
 
     def __init__(
         self,
@@ -140,9 +148,11 @@ class Vetter:
         *,
         plane: str,
         learn: bool = False,
+        asks: Asks | None = None,
     ) -> None:
         self.policy = policy
         self.learn = learn
+        self.asks = asks
         self.resolver = resolver
         self.metrics = metrics
         self.audit = audit
@@ -169,8 +179,11 @@ class Vetter:
                 if len(decisions) >= MEMO_ENTRIES:
                     decisions.clear()
                 decisions[target] = decision
-        if self.learn and not decision.allowed:
-            decision = policy.learn(decision, target)
+        if not decision.allowed:
+            if self.learn:
+                decision = policy.learn(decision, target)
+            elif self.asks is not None:
+                decision = policy.granted(decision, target, self.asks.grants)
         return decision
 
     def _check_addresses(
@@ -311,10 +324,14 @@ class Vetter:
         if decision is None:
             decision = self.decide(target, policy)
         if not decision.allowed:
-            self.record(decision, peer, protocol, **context)
-            raise Refused(
-                403, decision.reason, decision.message, remedy=policy.remedy(decision, target)
-            )
+            question = policy.question(decision, target) if self.asks is not None else None
+            if question is None:
+                self.record(decision, peer, protocol, **context)
+                raise Refused(
+                    403, decision.reason, decision.message, remedy=policy.remedy(decision, target)
+                )
+            # Held while a person decides; then decided under the policy in force by then.
+            decision, policy = await self._ask(decision, question, target, peer, protocol, context)
         named = {"rule": decision.rule, "ceiling": decision.ceiling, **context}
         if decision.needs_inspection and not inspecting:
             refused = Refused(
@@ -421,12 +438,104 @@ class Vetter:
             )
         return Vetted(decision, checked, tuple(checked.pinned))
 
+    async def _ask(
+        self,
+        refused: Decision,
+        question: Question,
+        target: str,
+        peer: Peer,
+        protocol: str,
+        context: dict[str, Any],
+    ) -> tuple[Decision, Policy]:
+        """Hold the connection until a person answers `question` (proxy/decide/asks.py): the
+        allowed decision and the policy in force once answered, or Refused after its line is
+        written (denied, timed out, overloaded, or refused by a reload's policy). Fails
+        closed: an error while holding is a denial."""
+        asks = self.asks
+        assert asks is not None
+        decision = refused
+        while True:
+            policy = self.policy
+            try:
+                outcome, ask = await asks.hold(
+                    question,
+                    target=target,
+                    entry=policy.entry(decision, target) or decision.host,
+                    reason=decision.reason,
+                    protocol=protocol,
+                    plane=self.plane,
+                    peer=peer,
+                )
+            except Exception as exc:
+                outcome, ask = f"error: {type(exc).__name__}", None
+            policy = self.policy  # a reload while held: decided under the new policy
+            current = self.decide(target, policy)  # a session grant made by the answer applies
+            rule = f"ask:{ask}"
+            if current.allowed or outcome == RELOAD:
+                decision = current
+                question = policy.question(current, target)  # type: ignore[assignment]
+                if current.allowed or question is None or self.asks is None:
+                    break
+                continue  # still a person's to decide: asked again
+            decision = self._answered(policy, current, target, outcome, rule)
+            if outcome == ALLOW_ONCE and decision.allowed:
+                asks.remember_once(target)
+            break
+        if decision.allowed:
+            return decision, policy
+        self.record(decision, peer, protocol, **context)
+        remedy = policy.remedy(refused, target) if decision.reason in _ASKED else None
+        raise Refused(
+            403,
+            decision.reason,
+            decision.message,
+            remedy=remedy or policy.remedy(decision, target),
+        )
+
+    @staticmethod
+    def _answered(
+        policy: Policy, current: Decision, target: str, outcome: str, rule: str
+    ) -> Decision:
+        """The name-stage decision a person's answer (or its absence) makes of `current`."""
+        if policy.question(current, target) is None:
+            return current  # no longer a person's to decide (a grant denied it, a reload)
+        if outcome in (ALLOW_ONCE, ALLOW_SESSION):
+            # `allow-session` with the session's grants full: it holds for this ask alone.
+            return policy.answered(current, target, rule, allow=True)
+        host, port = current.host, current.port
+        if outcome == TIMEOUT:
+            return Decision(
+                False, Reason.ASK_TIMEOUT, f"{host}: nobody answered the ask in time ({rule})",
+                host, port, rule,
+            )  # fmt: skip
+        if outcome == OVERLOADED:
+            return Decision(
+                False, Reason.ASK_OVERLOADED,
+                f"{host}: too many connections are waiting for a person's answer", host, port,
+            )  # fmt: skip
+        # deny, deny-session, or an error while holding: fail closed.
+        return policy.answered(current, target, rule, allow=False)
+
+    def still_asked(self, target: str) -> bool:
+        """After a reload: whether `target`, held for a person's answer, is still a person's
+        to decide under the current policy (its grants applied)."""
+        decision = self.decide(target)
+        return not decision.allowed and self.policy.question(decision, target) is not None
+
     def still_allowed(self, target: str, pinned: Sequence[str], inspected: bool) -> bool:
         """After a reload: whether a live connection's destination is still allowed (name
         stage on what was decided, address stage on the checked addresses). A passthrough
-        connection cannot be inspected after the fact: it goes when inspection is needed."""
+        connection cannot be inspected after the fact: it goes when inspection is needed.
+        A connection held for a person's answer stays: the answer is decided under the new
+        policy (Asks.reconsider)."""
         policy = self.policy
+        asks = self.asks
+        if asks is not None and asks.holding(target):
+            return True
         decision = self.decide(target, policy)  # learning, while it lasts, keeps what it let in
+        if not decision.allowed and asks is not None and asks.allowed_once(target):
+            # Let through once by a person, and still only a person's to refuse: it stays.
+            decision = policy.answered(decision, target, "ask", allow=True)
         if not decision.allowed or (decision.needs_inspection and not inspected):
             return False
         if not pinned:

@@ -17,12 +17,25 @@ Behaviour, hardened for clients that are slow, large or malformed:
   before anything is read, so a flood costs a socket accept and nothing more;
 - a malformed request line or header → 400; an HTTP version other than 1.x → 505;
 - a request that announces a body (`Content-Length` other than 0, or any `Transfer-Encoding`)
-  → 413: no admin endpoint takes a body, and never reading one means a client cannot make the
+  → 413, but for `POST /asks/ID` (below): never reading one means a client cannot make the
   server parse or buffer it;
-- GET and HEAD on the four paths; another path → 404; another method on them → 405 with
-  `Allow: GET, HEAD`. A query string is ignored, except on `/denials`, whose only parameter is
+- GET and HEAD on the read-only paths, POST on `/asks/ID`; another path → 404; another method
+  → 405 with `Allow`. A query string is ignored, except on `/denials`, whose only parameter is
   `since` (below); absolute-form targets (`http://h/healthz`) are accepted as RFC 9112 asks.
   `Host` is not required: nothing here depends on it.
+
+Asking a person (`run --ask`, proxy/decide/asks.py), with an `Asks` given:
+- `GET /asks`: `{"asks": [...]}`, the pending asks, oldest first; `GET /grants`:
+  `{"grants": [...]}`, the session's grants. Both open, like `/denials`.
+- `GET /asks/stream`: server-sent events, one `data: {ask}` line (and a blank line) per new
+  ask, the pending ones first; a `: keep-alive` comment every KEEPALIVE_SECONDS. Exempt from the
+  connection time limit, at most MAX_STREAMS at once (503 beyond).
+- `POST /asks/ID` with `Authorization: Bearer TOKEN` and the JSON body `{"decision":
+  "allow-once" | "allow-session" | "deny" | "deny-session"}` (Content-Length, at most MAX_BODY
+  bytes): 200 with what the answer did; 401 without the token (compared in constant time,
+  checked first: nobody without it learns which ids are pending); 404 for an id that is not
+  pending; 400 for any other body. The only endpoint that takes a body.
+Without an `Asks` these paths are 404.
 
 `/denials?since=SEQ` answers the recent denials as JSON (proxy/ops/denials.py). `since` is
 optional (default 0) and, if given, is given once, as 1 to 20 decimal digits worth at most
@@ -35,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import ipaddress
 import json
 import logging
@@ -44,6 +58,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from policy.asking import ANSWERS
+from proxy.decide.asks import Asks
 from proxy.errors import ProxyError
 from proxy.netaddr import format_listen
 from proxy.ops.denials import MAX_SINCE, Denials
@@ -64,6 +80,11 @@ STOP_GRACE_SECONDS = 1.0
 
 MetricsFn = Callable[[], tuple[bytes, str]]
 
+# Asking a person: the answer's body is one small JSON object; at most this many streams.
+MAX_BODY = 1024
+MAX_STREAMS = 8
+KEEPALIVE_SECONDS = 15.0
+
 
 # --------------------------------------------------------------------------------------------
 # HTTP
@@ -76,12 +97,16 @@ _FIELD_VALUE = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")
 _TARGET = re.compile(rb"[\x21-\x7e]+")
 _ABSOLUTE = re.compile(rb"https?://[^/?#]*", re.IGNORECASE)
 _PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/denials"})
+_ASK_PATHS = frozenset({"/asks", "/asks/stream", "/grants"})
+_ASK = re.compile(r"/asks/([0-9a-f]{16})")
+_ASK_PREFIX = "/asks/"
 # `since=` and at most 20 digits (2**63 has 19; a leading zero or so is still a decimal integer).
 _SINCE = re.compile(r"since=([0-9]{1,20})")
 _JSON = "application/json"
 _REASONS = {
     200: "OK",
     400: "Bad Request",
+    401: "Unauthorized",
     404: "Not Found",
     405: "Method Not Allowed",
     408: "Request Timeout",
@@ -103,11 +128,12 @@ class _Response:
     extra: list[tuple[str, str]] = field(default_factory=list)
     head_only: bool = False
 
-    def encode(self) -> bytes:
+    def encode(self, *, length: bool = True) -> bytes:
+        """The response; without `length`, a head for a body that lasts until the close."""
         lines = [
             f"HTTP/1.1 {self.status} {_REASONS[self.status]}",
             f"Content-Type: {self.content_type}",
-            f"Content-Length: {len(self.body)}",
+            *([f"Content-Length: {len(self.body)}"] if length else []),
             "Cache-Control: no-store",
             "Connection: close",
             *(f"{name}: {value}" for name, value in self.extra),
@@ -127,6 +153,42 @@ def _json_error(status: int, text: str) -> _Response:
     return _Response(status, body, content_type=_JSON)
 
 
+@dataclass(frozen=True, slots=True)
+class _Request:
+    """A request head that parsed: what the endpoints need of it."""
+
+    method: bytes
+    path: str
+    query: str | None
+    authorization: bytes | None
+    length: int | None  # Content-Length, when given once (None: not given)
+    chunked: bool  # any Transfer-Encoding
+
+
+_EVENT_STREAM = "text/event-stream"
+
+
+def _json(status: int, value: object) -> _Response:
+    body = json.dumps(value, ensure_ascii=True).encode("ascii") + b"\n"
+    return _Response(status, body, content_type=_JSON)
+
+
+def _event(ask: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(ask, ensure_ascii=True).encode("ascii") + b"\n\n"
+
+
+def _decision(body: bytes) -> str | None:
+    """The answer of a `POST /asks/ID` body, or None for any other body."""
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(value, dict) or set(value) != {"decision"}:
+        return None
+    decision = value["decision"]
+    return decision if isinstance(decision, str) and decision in ANSWERS else None
+
+
 class _HeadTooLarge(Exception):
     pass
 
@@ -135,9 +197,10 @@ class _Incomplete(Exception):
     pass
 
 
-async def _read_head(reader: asyncio.StreamReader) -> bytes | None:
-    """The request line and headers, without the blank line; None when the client closed before
-    sending anything. Reads no further than MAX_HEAD_BYTES, so body bytes stay unread."""
+async def _read_head(reader: asyncio.StreamReader) -> tuple[bytes, bytes] | None:
+    """The request line and headers, without the blank line, and what was read past them (the
+    start of a body); None when the client closed before sending anything. Reads no further
+    than MAX_HEAD_BYTES."""
     buf = bytearray()
     start = 0  # where the request line begins, once known
     scanned = 0  # everything before this has been searched for the blank line already
@@ -158,7 +221,9 @@ async def _read_head(reader: asyncio.StreamReader) -> bytes | None:
         since = max(start, scanned - 2)
         ends = [i for i in (buf.find(b"\n\r\n", since), buf.find(b"\n\n", since)) if i >= 0]
         if ends:
-            return bytes(buf[start : min(ends) + 1])
+            end = min(ends)
+            blank = 3 if buf.startswith(b"\n\r\n", end) else 2
+            return bytes(buf[start : end + 1]), bytes(buf[end + blank :])
         scanned = len(buf)
         if len(buf) >= MAX_HEAD_BYTES:
             raise _HeadTooLarge
@@ -171,7 +236,8 @@ class AdminServer:
     `metrics` returns (body, content type), e.g. prometheus_client's `generate_latest(registry)`
     with `CONTENT_TYPE_LATEST`; it is called on the loop for every GET or HEAD of `/metrics`, and
     if it raises the answer is 500 with a one-line body (the exception goes to the log).
-    `denials` is the ring `/denials` reads (the one the audit log feeds); None: 404 there."""
+    `denials` is the ring `/denials` reads (the one the audit log feeds); None: 404 there.
+    `asks` and `token`: asking a person (the endpoints under `/asks`, `/grants`)."""
 
     def __init__(
         self,
@@ -179,6 +245,8 @@ class AdminServer:
         metrics: MetricsFn,
         *,
         denials: Denials | None = None,
+        asks: Asks | None = None,
+        token: str | None = None,
         header_timeout: float = 5.0,
         max_connections: int = 64,
         connection_timeout: float = 10.0,
@@ -190,6 +258,10 @@ class AdminServer:
         self._readiness = readiness
         self._metrics = metrics
         self._denials = denials
+        self._asks = asks
+        # Without a token nobody can answer: `POST /asks/ID` is 401 to everyone.
+        self._token = token.encode() if token else None
+        self._streams = 0
         self._header_timeout = header_timeout
         self._connection_timeout = connection_timeout
         self._max_connections = max_connections
@@ -269,8 +341,8 @@ class AdminServer:
         # no response bytes stay queued in the transport after the handler ends.
         writer.transport.set_write_buffer_limits(high=0)
         try:
-            async with asyncio.timeout(self._connection_timeout):
-                await self._serve(reader, writer)
+            async with asyncio.timeout(self._connection_timeout) as limit:
+                await self._serve(reader, writer, limit)
         except (TimeoutError, ConnectionError, OSError):
             pass  # the overall limit, or the client went away: nothing left to tell it
         except Exception:
@@ -282,10 +354,12 @@ class AdminServer:
             else:
                 writer.close()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, limit: asyncio.Timeout
+    ) -> None:
         try:
             async with asyncio.timeout(self._header_timeout):
-                head = await _read_head(reader)
+                read = await _read_head(reader)
         except TimeoutError:
             # Best effort: the client may be too slow to read it too; no lingering for it.
             writer.write(_error(408, "request timeout").encode())
@@ -298,9 +372,21 @@ class AdminServer:
         except _Incomplete:
             response = _error(400, "bad request: incomplete request head")
         else:
-            if head is None:
+            if read is None:
                 return
-            response = self._respond(head)
+            head, early = read
+            parsed = self._parse(head)
+            if isinstance(parsed, _Response):
+                response = parsed
+            elif parsed.path == "/asks/stream" and parsed.method == b"GET":
+                limit.reschedule(None)  # a stream lasts as long as its client wants
+                await self._stream(reader, writer)
+                return
+            elif parsed.method == b"POST":
+                response = await self._answer(reader, parsed, early)
+            else:
+                response = self._endpoint(parsed.path, parsed.query)
+                response.head_only = parsed.method == b"HEAD"
         writer.write(response.encode())
         await writer.drain()
         await self._linger(reader, writer)
@@ -323,7 +409,9 @@ class AdminServer:
 
     # ---- request → response
 
-    def _respond(self, head: bytes) -> _Response:
+    def _parse(self, head: bytes) -> _Request | _Response:
+        """The request of a head, or the response that refuses it (nothing of the request is
+        acted on before its whole head checked out)."""
         lines = [line[:-1] if line.endswith(b"\r") else line for line in head.split(b"\n")]
         if lines and lines[-1] == b"":
             lines.pop()
@@ -341,7 +429,9 @@ class AdminServer:
         fields = lines[1:]
         if len(fields) > MAX_HEADERS:
             return _error(431, "too many header fields")
-        body_announced = False
+        body_announced = chunked = False
+        length: int | None = None
+        authorization: bytes | None = None
         for line in fields:
             name, colon, value = line.partition(b":")
             # No whitespace before the colon, no obs-fold continuation lines (RFC 9112 5).
@@ -352,22 +442,32 @@ class AdminServer:
             if lname == b"content-length":
                 if not all(re.fullmatch(rb"[0-9]+", v.strip(b" \t")) for v in value.split(b",")):
                     return _error(400, "bad request: invalid Content-Length")
-                if any(int(v) != 0 for v in value.split(b",")):
+                lengths = {int(v) for v in value.split(b",")}
+                if any(lengths) or length is not None:
                     body_announced = True
+                # Several differing lengths (or fields) are no length at all.
+                length = lengths.pop() if len(lengths) == 1 and length is None else -1
             elif lname == b"transfer-encoding":
-                body_announced = True
-        if body_announced:
-            return _error(413, "admin requests take no body")
+                body_announced = chunked = True
+            elif lname == b"authorization":
+                authorization = value if authorization is None else b""
         path, query = self._path(target)
-        if path not in _PATHS or (path == "/denials" and self._denials is None):
+        answering = path.startswith(_ASK_PREFIX) and path != "/asks/stream"
+        if body_announced and not (answering and method == b"POST"):
+            return _error(413, "admin requests take no body")
+        if self._asks is not None and answering:
+            allowed = b"POST"
+        elif (path in _PATHS and (path != "/denials" or self._denials is not None)) or (
+            path in _ASK_PATHS and self._asks is not None
+        ):
+            allowed = b"GET"
+        else:
             return _error(404, "not found")
-        if method not in (b"GET", b"HEAD"):
+        if method != allowed and not (allowed == b"GET" and method == b"HEAD"):
             response = _error(405, "method not allowed")
-            response.extra.append(("Allow", "GET, HEAD"))
+            response.extra.append(("Allow", "POST" if allowed == b"POST" else "GET, HEAD"))
             return response
-        response = self._endpoint(path, query)
-        response.head_only = method == b"HEAD"
-        return response
+        return _Request(method, path, query, authorization, length, chunked)
 
     @staticmethod
     def _path(target: bytes) -> tuple[str, str | None]:
@@ -391,6 +491,14 @@ class AdminServer:
         return _Response(200, self._denials.render(since), content_type=_JSON)
 
     def _endpoint(self, path: str, query: str | None) -> _Response:
+        if path in _ASK_PATHS:
+            assert self._asks is not None
+            if path == "/grants":
+                return _json(200, {"grants": self._asks.grants.to_json()})
+            if path == "/asks":
+                return _json(200, {"asks": self._asks.pending()})
+            # HEAD of the stream: its head alone.
+            return _Response(200, b"", content_type=_EVENT_STREAM)
         if path == "/healthz":
             # Answering at all shows the process is alive and its event loop is turning.
             return _Response(200, b"ok\n")
@@ -401,6 +509,87 @@ class AdminServer:
         if path == "/denials":
             return self._denials_response(query)
         return self._metrics_response()
+
+    # ---- asking a person
+
+    def _authorized(self, authorization: bytes | None) -> bool:
+        if self._token is None or not authorization:
+            return False
+        scheme, _, given = authorization.partition(b" ")
+        if scheme.lower() != b"bearer":
+            return False
+        # Constant time: how much of a guess matched must not show in the answer's timing.
+        return hmac.compare_digest(given.strip(b" "), self._token)
+
+    async def _answer(
+        self, reader: asyncio.StreamReader, request: _Request, early: bytes
+    ) -> _Response:
+        """`POST /asks/ID`: the token first, then the id, then the body."""
+        asks = self._asks
+        assert asks is not None
+        if not self._authorized(request.authorization):
+            response = _json_error(401, "a bearer token is required to answer an ask")
+            response.extra.append(("WWW-Authenticate", 'Bearer realm="egress-proxy asks"'))
+            return response
+        match = _ASK.fullmatch(request.path)
+        if match is None or match.group(1) not in {a["id"] for a in asks.pending()}:
+            return _json_error(404, "no such pending ask")
+        if request.chunked or request.length is None or request.length < 0:
+            return _json_error(400, "bad request: send the JSON body with one Content-Length")
+        if request.length > MAX_BODY:
+            return _json_error(400, f"bad request: the body is over {MAX_BODY} bytes")
+        body = early[: request.length]
+        try:
+            async with asyncio.timeout(self._header_timeout):
+                body += await reader.readexactly(request.length - len(body))
+        except (TimeoutError, asyncio.IncompleteReadError):
+            return _json_error(400, "bad request: incomplete body")
+        decision = _decision(body)
+        if decision is None:
+            expected = " | ".join(f'"{answer}"' for answer in ANSWERS)
+            return _json_error(400, f'bad request: the body must be {{"decision": {expected}}}')
+        done = asks.answer(match.group(1), decision)
+        if done is None:  # answered or timed out while the body came
+            return _json_error(404, "no such pending ask")
+        return _json(200, done)
+
+    async def _stream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """`GET /asks/stream`: the pending asks, then each new one, until the client goes
+        (or falls behind, or the proxy stops)."""
+        asks = self._asks
+        assert asks is not None
+        if self._streams >= MAX_STREAMS:
+            writer.write(_json_error(503, "too many streams").encode())
+            await writer.drain()
+            return
+        self._streams += 1
+        queue = asks.subscribe()
+        ended = asyncio.ensure_future(reader.read(1))  # the client closing, or sending more
+        try:
+            writer.write(_Response(200, b"", content_type=_EVENT_STREAM).encode(length=False))
+            for ask in asks.pending():
+                writer.write(_event(ask))
+            await writer.drain()
+            while True:
+                got = asyncio.ensure_future(queue.get())
+                done, _ = await asyncio.wait(
+                    {got, ended}, timeout=KEEPALIVE_SECONDS, return_when=asyncio.FIRST_COMPLETED
+                )
+                if got not in done:
+                    got.cancel()
+                    if ended in done:
+                        return
+                    writer.write(b": keep-alive\n\n")
+                else:
+                    new = got.result()
+                    if new is None:
+                        return
+                    writer.write(_event(new))
+                await writer.drain()
+        finally:
+            ended.cancel()
+            asks.unsubscribe(queue)
+            self._streams -= 1
 
     def _metrics_response(self) -> _Response:
         try:

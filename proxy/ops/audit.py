@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from proxy.decide.events import CloseEvent, DecisionEvent
 
 if TYPE_CHECKING:
+    from proxy.decide.asks import AskEvent
     from proxy.ops.denials import Denials
     from proxy.ops.metrics import Metrics
 
@@ -87,7 +88,7 @@ class AuditLog:
         """Log one connection close: a `CloseEvent`, or its fields as keyword arguments."""
         self.write(event if event is not None else CloseEvent(**fields))
 
-    def write(self, event: DecisionEvent | CloseEvent) -> None:
+    def write(self, event: DecisionEvent | CloseEvent | AskEvent) -> None:
         # Written at once, line by line: a client that was refused may read the log the moment
         # it sees the refusal, and its line must be there.
         now = self._clock()
@@ -161,7 +162,9 @@ class AuditLog:
                 os.close(fd)
 
 
-def _as_text(event: DecisionEvent | CloseEvent) -> DecisionEvent | CloseEvent:
+def _as_text(
+    event: DecisionEvent | CloseEvent | AskEvent,
+) -> DecisionEvent | CloseEvent | AskEvent:
     """`event` with every value that is not a str, int, float, tuple or None turned to text."""
     changes: dict[str, Any] = {
         name: str(value)

@@ -209,6 +209,17 @@ _WOULD_DENY = _Spec(
     "refuse, by reason code.",
     ("reason",),
 )
+_ASKS = _Spec(
+    "asks",
+    "Asks to a person (run --ask), by outcome: a person's answer (allow-once, allow-session, "
+    "deny, deny-session), timeout, overloaded (a connection refused without asking: over the "
+    "caps) or reload (a reload decided it).",
+    ("outcome",),
+)
+# The outcomes of an ask (proxy/decide/asks.py OUTCOMES), a closed set.
+ASK_OUTCOMES = frozenset(
+    {"allow-once", "allow-session", "deny", "deny-session", "timeout", "overloaded", "reload"}
+)
 _LABEL_SETS = 1024
 _COUNTERS = (
     _DECISIONS,
@@ -220,6 +231,7 @@ _COUNTERS = (
     _AUDIT_ERRORS,
     _CREDENTIALS,
     _WOULD_DENY,
+    _ASKS,
 )
 _HISTOGRAMS = (_DNS_LOOKUP, _UPSTREAM_CONNECT, _DURATION)
 
@@ -241,6 +253,7 @@ class Metrics:
         self._rcode = _LabelGuard(DNS_RCODES)
         self._tunnel_protocol = _LabelGuard(TUNNEL_PROTOCOLS)
         self._credential = _LabelGuard()  # names are code-shaped (proxy/app/credentials.py)
+        self._ask_outcome = _LabelGuard(ASK_OUTCOMES)
         self._counters: dict[_Spec, dict[tuple[str, ...], float]] = {s: {} for s in _COUNTERS}
         self._histograms: dict[_Spec, dict[tuple[str, ...], _Histogram]] = {
             s: {} for s in _HISTOGRAMS
@@ -359,6 +372,10 @@ class Metrics:
     def credential_injected(self, name: str) -> None:
         """One request an operator credential was put into, by the credential's name."""
         self._add(_CREDENTIALS, (self._credential(name),))
+
+    def ask(self, outcome: str) -> None:
+        """One ask's outcome (or one connection refused as overloaded without asking)."""
+        self._add(_ASKS, (self._ask_outcome(outcome),))
 
     def audit_write_error(self) -> None:
         self._add(_AUDIT_ERRORS, ())

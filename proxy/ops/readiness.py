@@ -41,6 +41,8 @@ class Readiness:
         # Learning mode (`run --learn`) does not change readiness, but must never go unseen:
         # `/readyz` says `learn: true` while it lasts.
         self.learning = False
+        # Asking mode (`run --ask`): `/readyz` says `ask: true` while it lasts.
+        self.asking = False
 
     def set(self, name: str, ok: bool, detail: str = "") -> None:
         if name not in self._values:
@@ -55,7 +57,8 @@ class Readiness:
 
     def notes(self) -> list[str]:
         """Lines `/readyz` adds after its answer, ready or not: the modes a session runs in."""
-        return ["learn: true"] if self.learning else []
+        notes = ["learn: true"] if self.learning else []
+        return notes + (["ask: true"] if self.asking else [])
 
     def ready(self) -> tuple[bool, list[str]]:
         """(True, []) when every condition holds, else (False, one line per unmet condition)."""

@@ -4,7 +4,7 @@ sandbox itself (proxy/boundary/sandbox/session.py: namespaces, nftables, process
 only when it runs.
 
     egress-proxy sandbox MANIFEST [--ceiling F] [--config F] [--user NAME|UID[:GID]]
-        [--subnet4 CIDR] [--subnet6 CIDR] [--audit-log F] [--status-file F] [--learn]
+        [--subnet4 CIDR] [--subnet6 CIDR] [--audit-log F] [--status-file F] [--learn | --ask]
         -- COMMAND [ARGS...]
 """
 
@@ -63,6 +63,7 @@ class Options:
     quiet: bool
     command: tuple[str, ...]
     learn: bool = False  # the session proxy runs with --learn
+    ask: bool = False  # the session proxy runs with --ask
 
 
 def usage_error(message: str) -> PolicyError:

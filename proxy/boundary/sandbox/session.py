@@ -243,13 +243,22 @@ class Sandbox:
         assert self.plan and self.ports and self.names
         host, port = self.options.admin
         self.admin = (host, port or session_proxy.free_port(host))
-        command = session_proxy.proxy_command(
-            self.options, self.plan, self.ports, self.names, self.admin
-        )
         self._made.add("workdir")
+        # 0700, this process's own: COMMAND's user cannot enter it, so the token that answers
+        # asks (kept here) is out of its reach.
         self.workdir = Path(tempfile.mkdtemp(prefix=f"egress-sb-{self.names.suffix}-"))
+        command = session_proxy.proxy_command(
+            self.options, self.plan, self.ports, self.names, self.admin, self.ask_token
+        )
         self._made.add("proxy")
         self.proxy = session_proxy.start_proxy(command, self.workdir / "proxy.log", self.err)
+
+    @property
+    def ask_token(self) -> Path | None:
+        """With --ask: the token file the session proxy makes in the work directory."""
+        if not self.options.ask or self.workdir is None:
+            return None
+        return self.workdir / "ask-token"
 
     def _wait_ready(self) -> None:
         assert self.admin and self.proxy and self.workdir
@@ -291,6 +300,13 @@ class Sandbox:
             self.say(
                 "LEARNING MODE: the proxy lets through (and audits as would_deny) connections "
                 "the manifest does not allow; this session is not enforcing the manifest"
+            )
+        if self.ask_token is not None and self.admin is not None:
+            # Said whatever --quiet says: someone must answer, from another terminal.
+            self.say(
+                "ASK MODE: connections the manifest does not allow wait for a person; answer "
+                "them from another terminal with:\n  "
+                + session_proxy.ask_command(self.admin, self.ask_token)
             )
         if run_as.is_root:
             self.say(

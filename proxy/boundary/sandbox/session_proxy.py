@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import http.client
 import os
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -77,6 +79,7 @@ def proxy_command(
     ports: tuple[int, int, int],
     names: SessionNames,
     admin: tuple[str, int],
+    ask_token: Path | None = None,
 ) -> list[str]:
     """`egress-proxy run` with an explicit HTTP listener, a transparent one and the DNS
     responder on both host-side addresses, and the admin listener."""
@@ -103,7 +106,18 @@ def proxy_command(
         command += ["--audit-log", options.audit_log]
     if options.learn:
         command.append("--learn")
+    if ask_token is not None:
+        command += ["--ask", "--ask-token", str(ask_token)]
     return command
+
+
+def ask_command(admin: tuple[str, int], token: Path) -> str:
+    """The exact `egress-proxy ask` command line that answers this session's asks; through
+    sudo when the sandbox runs under it, since the token file is root's alone."""
+    program = shutil.which("egress-proxy") or f"{sys.executable} -m proxy"
+    sudo = "sudo " if os.geteuid() == 0 and os.environ.get("SUDO_USER") else ""
+    words = ["ask", "--admin", format_listen(*admin), "--token", str(token)]
+    return sudo + " ".join([program, *map(shlex.quote, words)])
 
 
 def start_proxy(command: list[str], log: Path, err: TextIO) -> subprocess.Popen[bytes]:
