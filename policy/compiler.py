@@ -187,12 +187,15 @@ class Policy:
     def _decide(self, target: Target) -> Decision:
         decision = self._decide_target(target)
         if decision.allowed and target.scheme in STREAM_SCHEMES:
-            return self._stream_port(decision, target.scheme)
+            return self.opaque(decision, target.scheme)
         return decision
 
-    def _stream_port(self, decision: Decision, scheme: str) -> Decision:
-        """An allowed destination, refused for a stream that is neither TLS nor HTTP when its
-        port does not take such streams (the operator's `opaque_ports`)."""
+    def opaque(self, decision: Decision, scheme: str) -> Decision:
+        """An allowed destination's decision for a stream of `scheme` (`ssh`, `tcp`) that is
+        neither TLS nor HTTP: refused when its port does not take such streams (the operator's
+        `opaque_ports`); a refusal as it is."""
+        if not decision.allowed:
+            return decision
         port = decision.port
         if port is not None and self.operator.opaque_allowed(port):
             return decision
@@ -419,7 +422,7 @@ class Policy:
             )
             if parsed.scheme in STREAM_SCHEMES:
                 # What a manifest entry would lift is lifted; the operator's ports still hold.
-                return self._stream_port(let, parsed.scheme)
+                return self.opaque(let, parsed.scheme)
             return let
         except Exception:
             return decision

@@ -27,6 +27,7 @@ import smtplib
 import socket
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from email.message import EmailMessage
@@ -737,3 +738,46 @@ def test_learning_lets_an_undeclared_ssh_host_through_and_suggest_declares_it(
         timeout=60,
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_a_person_allows_an_undeclared_ssh_host_once_and_the_stream_passes(
+    tmp_path: Path, names: DNSServer, world: World
+) -> None:
+    token = tmp_path / "ask-token"
+    args = ("--ask", "--ask-token", str(token))
+    with RunningProxy(tmp_path / "ask", "network:\n  egress: [web.test]\n", dns=names,
+                      args=args) as proxy:  # fmt: skip
+        command = world.ssh.ssh(
+            "echo", "asked", host="git.test", proxy_command=socat_proxy_command(proxy.port)
+        )
+        client = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            asks: list[dict[str, Any]] = []
+
+            def asked() -> bool:
+                asks[:] = json.loads(proxy.admin_get("/asks")[1])["asks"]
+                return bool(asks)
+
+            wait_for(asked, what="the ask for git.test")
+            (ask,) = asks
+            assert (ask["host"], ask["port"], ask["entry"]) == ("git.test", world.ssh.port,
+                                                                "git.test")  # fmt: skip
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{proxy.admin_port}/asks/{ask['id']}",
+                data=b'{"decision": "allow-once"}',
+                method="POST",
+                headers={"Authorization": f"Bearer {token.read_text().strip()}"},
+            )
+            with urllib.request.urlopen(request, timeout=10) as response:
+                assert response.status == 200
+            out, err = client.communicate(timeout=60)
+        finally:
+            client.kill()
+            client.wait()
+        assert client.returncode == 0 and b"asked" in out, err
+        (stream,) = [x for x in proxy.decisions() if x.get("stage") == "stream"]
+        assert (stream["decision"], stream["protocol"], stream["rule"]) == (
+            "allow",
+            "ssh",
+            f"ask:{ask['id']}",
+        )

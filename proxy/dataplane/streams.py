@@ -22,6 +22,7 @@ import asyncio
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from policy.hostnames import parse_ip_literal
+from policy.learning import LEARNABLE as LIFTED_BY_ENTRY
 from policy.reasons import Reason
 from proxy.dataplane import tunnel
 from proxy.dataplane.http import HttpPlane
@@ -38,8 +39,20 @@ if TYPE_CHECKING:
 
 def stream_decision(connection: Connection, kind: str, name: str, port: int) -> Decision:
     """The name stage for an opaque stream of `kind` (`ssh`, `tcp`) to `name`:`port`, with the
-    operator's `opaque_ports` (learning and the policy of the moment included)."""
+    operator's `opaque_ports` (learning, the session's grants and the policy of the moment
+    included)."""
     return connection.door.vetter.decide(f"{kind}://{authority(name, port)}")
+
+
+def tunnel_stream(connection: Connection, kind: str, vetted: Vetted, port: int) -> Decision:
+    """The decision on an opaque stream of `kind` inside a tunnel vetted as `vetted`: the
+    stream's own name stage, except that a host the tunnel was let through for by a person's
+    answer (allow once) keeps that answer; the operator's `opaque_ports` hold either way."""
+    decision = stream_decision(connection, kind, vetted.decision.host, port)
+    tunnel = vetted.decision
+    if decision.allowed or not tunnel.allowed or decision.reason not in LIFTED_BY_ENTRY:
+        return decision
+    return connection.door.vetter.policy.opaque(tunnel, kind)
 
 
 async def first_flight(connection: Connection, *, patient: bool) -> FirstFlight | Refused | None:
@@ -95,7 +108,7 @@ async def carry(
     tunnel's host in a refusal (`CONNECT host`, `SOCKS5 host`)."""
     name = vetted.decision.host
     patient = False
-    if dialled is not None and stream_decision(connection, "tcp", name, port).allowed:
+    if dialled is not None and tunnel_stream(connection, "tcp", vetted, port).allowed:
         # An opaque stream would pass here: the server may speak first.
         dialled.upstream.forward_to(connection.transport, connection.counter)
         patient = True
@@ -149,7 +162,7 @@ async def opaque(
     name = vetted.decision.host
     connection.protocol = kind.value  # a plain str, as every other protocol is
     connection.target = f"{kind}://{authority(name, port)}"  # what a reload decides again
-    decision = stream_decision(connection, kind, name, port)
+    decision = tunnel_stream(connection, kind, vetted, port)
     if not decision.allowed:
         drop(dialled)
         policy = connection.door.vetter.policy
@@ -223,7 +236,7 @@ async def open_tunnel(
     by_address = address is not None and bool(tunnel.attributed_names(connection, str(address)))
     try:
         if by_address:
-            vetted = tunnel.vet_by_address(connection, str(address), port, **context)
+            vetted = await tunnel.vet_by_address(connection, str(address), port, **context)
             decision = vetted.decision
         else:
             decision = door.vetter.decide(target)

@@ -117,7 +117,7 @@ class Transparent(Connection):
             return None
         self.protocol = FirstFlight.TCP.value
         try:
-            vetted = tunnel.vet_by_address(self, address, port, scheme=FirstFlight.TCP)
+            vetted = await tunnel.vet_by_address(self, address, port, scheme=FirstFlight.TCP)
             dialled = await tunnel.dial_vetted(self, vetted, port)
         except Refused as refused:
             # Its line is written: an opaque stream is refused so without deciding again; TLS
@@ -145,7 +145,7 @@ class Transparent(Connection):
                 self.refuse_stream(tunnel.unattributed(self.original, self.port), kind)
                 return
             try:
-                vetted = tunnel.vet_by_address(self, self.original, self.port, scheme=kind)
+                vetted = await tunnel.vet_by_address(self, self.original, self.port, scheme=kind)
             except Refused as refused:
                 self.refuse_stream(refused, kind, record=False)
                 return

@@ -79,7 +79,7 @@ async def vet(
     return vetted
 
 
-def vet_by_address(
+async def vet_by_address(
     connection: Connection, address: str, port: int, *, scheme: str | None = None, **context: Any
 ) -> Vetted:
     """A tunnel to an address the session's DNS answered for some names (a SOCKS5 request of
@@ -95,7 +95,7 @@ def vet_by_address(
                             stage="name", **context)  # fmt: skip
         raise refused
     context = _with_attribution(connection, context)
-    vetted = door.vetter.vet_attributed(
+    vetted = await door.vetter.vet_attributed(
         names, address, port, connection.peer, connection.protocol, scheme=scheme, **context
     )
     where = authority(vetted.decision.host, port)

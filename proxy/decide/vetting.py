@@ -324,14 +324,9 @@ class Vetter:
         if decision is None:
             decision = self.decide(target, policy)
         if not decision.allowed:
-            question = policy.question(decision, target) if self.asks is not None else None
-            if question is None:
-                self.record(decision, peer, protocol, **context)
-                raise Refused(
-                    403, decision.reason, decision.message, remedy=policy.remedy(decision, target)
-                )
-            # Held while a person decides; then decided under the policy in force by then.
-            decision, policy = await self._ask(decision, question, target, peer, protocol, context)
+            decision, policy = await self._refused(
+                policy, decision, target, peer, protocol, context
+            )
         named = {"rule": decision.rule, "ceiling": decision.ceiling, **context}
         if decision.needs_inspection and not inspecting:
             refused = Refused(
@@ -376,7 +371,7 @@ class Vetter:
             self.allowed(peer, protocol, stage="address", vetted=vetted, port=port, **context)
         return vetted
 
-    def vet_attributed(
+    async def vet_attributed(
         self,
         names: Sequence[str],
         address: str,
@@ -392,8 +387,8 @@ class Vetter:
         `scheme` stream, e.g. `ssh`, when given) until one is allowed, then the address stage
         on `address` alone. No DNS: the address was checked when it was answered, and the
         client goes to that address, not to whatever the name resolves to now. Raises Refused
-        after its line (the first name's refusal when none is allowed); the allow line is the
-        caller's."""
+        after its line (the first name's refusal when none is allowed, or when a person asked
+        about it refuses); the allow line is the caller's."""
         policy = self.policy
         refused: tuple[Decision, str] | None = None
         for name in names:
@@ -407,12 +402,31 @@ class Vetter:
         else:
             assert refused is not None, "attributed to no name"
             decision, target = refused
+            decision, policy = await self._refused(
+                policy, decision, target, peer, protocol, context
+            )
+        named = {"rule": decision.rule, "ceiling": decision.ceiling, **context}
+        return self._address_stage(policy, decision, (address,), (), peer, protocol, port, named)
+
+    async def _refused(
+        self,
+        policy: Policy,
+        decision: Decision,
+        target: str,
+        peer: Peer,
+        protocol: str,
+        context: dict[str, Any],
+    ) -> tuple[Decision, Policy]:
+        """A name-stage refusal: Refused after its line, unless a person may be asked (`run
+        --ask`): then held while one decides, and the allowed decision and the policy in force
+        by then (a reload while held) are returned."""
+        question = policy.question(decision, target) if self.asks is not None else None
+        if question is None:
             self.record(decision, peer, protocol, **context)
             raise Refused(
                 403, decision.reason, decision.message, remedy=policy.remedy(decision, target)
             )
-        named = {"rule": decision.rule, "ceiling": decision.ceiling, **context}
-        return self._address_stage(policy, decision, (address,), (), peer, protocol, port, named)
+        return await self._ask(decision, question, target, peer, protocol, context)
 
     def _address_stage(
         self,
