@@ -740,44 +740,65 @@ def test_learning_lets_an_undeclared_ssh_host_through_and_suggest_declares_it(
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
-def test_a_person_allows_an_undeclared_ssh_host_once_and_the_stream_passes(
-    tmp_path: Path, names: DNSServer, world: World
+def answer_the_ask(proxy: RunningProxy, token: Path, decision: str) -> dict[str, Any]:
+    """Waits for the one pending ask, answers it with the token as a harness would; the ask."""
+    asks: list[dict[str, Any]] = []
+
+    def asked() -> bool:
+        asks[:] = json.loads(proxy.admin_get("/asks")[1])["asks"]
+        return bool(asks)
+
+    wait_for(asked, what="an ask")
+    (ask,) = asks
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{proxy.admin_port}/asks/{ask['id']}",
+        data=json.dumps({"decision": decision}).encode(),
+        method="POST",
+        headers={"Authorization": f"Bearer {token.read_text().strip()}"},
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert response.status == 200
+    return ask
+
+
+@pytest.mark.parametrize("client", ["ssh", "git"])
+def test_a_person_allows_an_undeclared_ssh_host_and_the_stream_passes(
+    client: str, tmp_path: Path, names: DNSServer, world: World
 ) -> None:
+    """ssh, allowed once; git clone, allowed for the session: a second clone is not asked."""
     token = tmp_path / "ask-token"
     args = ("--ask", "--ask-token", str(token))
     with RunningProxy(tmp_path / "ask", "network:\n  egress: [web.test]\n", dns=names,
                       args=args) as proxy:  # fmt: skip
-        command = world.ssh.ssh(
-            "echo", "asked", host="git.test", proxy_command=socat_proxy_command(proxy.port)
+        proxy_command = socat_proxy_command(proxy.port)
+        env = world.ssh.git_env(proxy_command)
+        url = world.ssh.repo_url(host="git.test")
+
+        def command(n: int) -> list[str]:
+            if client == "ssh":
+                return world.ssh.ssh("echo", "asked", host="git.test", proxy_command=proxy_command)
+            return [GIT, "clone", "-q", url, str(tmp_path / f"clone{n}")]
+
+        process = subprocess.Popen(
+            command(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
         )
-        client = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
-            asks: list[dict[str, Any]] = []
-
-            def asked() -> bool:
-                asks[:] = json.loads(proxy.admin_get("/asks")[1])["asks"]
-                return bool(asks)
-
-            wait_for(asked, what="the ask for git.test")
-            (ask,) = asks
-            assert (ask["host"], ask["port"], ask["entry"]) == ("git.test", world.ssh.port,
-                                                                "git.test")  # fmt: skip
-            request = urllib.request.Request(
-                f"http://127.0.0.1:{proxy.admin_port}/asks/{ask['id']}",
-                data=b'{"decision": "allow-once"}',
-                method="POST",
-                headers={"Authorization": f"Bearer {token.read_text().strip()}"},
-            )
-            with urllib.request.urlopen(request, timeout=10) as response:
-                assert response.status == 200
-            out, err = client.communicate(timeout=60)
+            answer = "allow-once" if client == "ssh" else "allow-session"
+            ask = answer_the_ask(proxy, token, answer)
+            out, err = process.communicate(timeout=60)
         finally:
-            client.kill()
-            client.wait()
-        assert client.returncode == 0 and b"asked" in out, err
+            process.kill()
+            process.wait()
+        assert process.returncode == 0, err
+        assert (ask["host"], ask["port"], ask["entry"]) == ("git.test", world.ssh.port,
+                                                            "git.test")  # fmt: skip
         (stream,) = [x for x in proxy.decisions() if x.get("stage") == "stream"]
-        assert (stream["decision"], stream["protocol"], stream["rule"]) == (
-            "allow",
-            "ssh",
-            f"ask:{ask['id']}",
-        )
+        assert (stream["decision"], stream["protocol"]) == ("allow", "ssh")
+        if client == "ssh":
+            assert b"asked" in out and stream["rule"] == f"ask:{ask['id']}"
+            return
+        assert (tmp_path / "clone1" / "README").read_text() == REPO_README
+        again = run_client(command(2), env=env)  # the session's grant: nobody is asked
+        assert again.returncode == 0, again.stderr
+        grants = json.loads(proxy.admin_get("/grants")[1])["grants"]
+        assert [(g["host"], g["decision"]) for g in grants] == [("git.test", "allow-session")]
