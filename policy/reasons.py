@@ -116,7 +116,7 @@ class Reason(StrEnum):
     DNS_ERROR = "dns_error"  # the lookup failed (SERVFAIL, network error, bad reply)
     DNS_NXDOMAIN = "dns_nxdomain"  # no such domain
     DNS_NO_ADDRESS = "dns_no_address"  # the name exists, with no A or AAAA record
-    # -- the DNS responder (proxy/dns/) -------------------------------------------------------
+    # -- the DNS responder (proxy/dns_responder/) ----------------------------------------------
     DNS_QTYPE_NOT_SERVED = "dns_qtype_not_served"  # a query type other than A/AAAA
     DNS_OPCODE_NOT_SERVED = "dns_opcode_not_served"  # an opcode other than QUERY
     DNS_CLASS_NOT_SERVED = "dns_class_not_served"  # a class other than IN

@@ -8,7 +8,7 @@ grammar so that an agent (or its author) can act on one line:
 None when no change is worth naming (an internal error, an overload, a malformed request).
 Where no manifest entry can allow it (a non-public address, an internal name), the text says so,
 so that nobody edits a manifest in vain. Host and path come from clients: whoever writes the
-text into a response makes it printable and caps it (proxy/reasons.py `shown`).
+text into a response makes it printable and caps it (proxy/common/refusals.py `shown`).
 
 Pure functions: nothing here does I/O.
 """

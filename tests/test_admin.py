@@ -18,8 +18,8 @@ import pytest
 import pytest_asyncio
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
-from proxy.errors import ProxyError
-from proxy.netaddr import format_listen, parse_listen
+from proxy.common.errors import ProxyError
+from proxy.common.listeners import format_listen, parse_listen
 from proxy.ops.admin import MAX_HEAD_BYTES, AdminServer
 from proxy.ops.readiness import Readiness
 

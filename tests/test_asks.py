@@ -12,9 +12,9 @@ import pytest
 
 from policy.asking import ALLOW_SESSION, Question
 from proxy.app.ask_token import read_or_create_token
+from proxy.common.errors import ProxyError
 from proxy.decide.asks import AskEvent, AskLimits, Asks
 from proxy.decide.vetting import Peer
-from proxy.errors import ProxyError
 
 PEER = Peer(("127.0.0.1", 5000), "c-1")
 

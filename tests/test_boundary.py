@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from proxy.boundary.nft.pod import pod_ruleset
+from proxy.boundary.nft.pod_rules import pod_ruleset
 
 ROOT = Path(__file__).resolve().parent.parent
 IP, NFT = shutil.which("ip"), shutil.which("nft")

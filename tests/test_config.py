@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from policy import PolicyError, classify
 from proxy.app.config import Config, Limits, Nameserver, load_config, parse_duration
-from proxy.errors import ProxyError
+from proxy.common.errors import ProxyError
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

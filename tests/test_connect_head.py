@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from policy import PolicyError
 from policy.urls import split_authority
+from proxy.common.refusals import Refused
 from proxy.dataplane.heads import MAX_CONNECT_HEAD, head_state, parse_connect
-from proxy.reasons import Refused
 
 CURL_HEAD = (
     b"CONNECT pypi.org:443 HTTP/1.1\r\nHost: pypi.org:443\r\nUser-Agent: curl/8.5.0\r\n"

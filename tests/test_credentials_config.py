@@ -15,14 +15,14 @@ import pytest
 
 from policy import compile_policy, load_manifest
 from proxy.app.config import load_config
-from proxy.app.credentials import SANDBOX_VARIABLES, credential_findings, reserved_variables
+from proxy.app.credentials_config import SANDBOX_VARIABLES, credential_findings, reserved_variables
 from proxy.app.secrets import MAX_SECRET, load_secrets
 from proxy.boundary.sandbox.children import DROPPED_VARIABLES, PROXY_VARIABLES
 from proxy.boundary.sandbox.command import command_env
 from proxy.boundary.sandbox.options import RunAs
-from proxy.decide.credentials import inject, render
-from proxy.errors import ProxyError
-from proxy.settings import Config, Credential, Secret
+from proxy.common.errors import ProxyError
+from proxy.common.settings import Config, Credential, Secret
+from proxy.decide.injection import inject, render
 
 GOOD = {
     "name": "github",

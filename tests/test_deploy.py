@@ -25,13 +25,13 @@ import yaml
 from proxy.app.config import load_config
 from proxy.boundary.nft.chains import DEFAULT_TABLE
 from proxy.boundary.nft.compare import expected_chains
-from proxy.boundary.nft.pod import pod_ruleset
-from proxy.boundary.nft.sandbox import sandbox_ruleset
+from proxy.boundary.nft.pod_rules import pod_ruleset
+from proxy.boundary.nft.sandbox_rules import sandbox_ruleset
 from proxy.boundary.probes.spec import parse_spec
 from proxy.cli import build_parser
 from proxy.cli import main as cli_main
-from proxy.errors import ProxyError
-from proxy.l7.trust import BUNDLE_NAME, CA_NAME, trust_environment
+from proxy.common.errors import ProxyError
+from proxy.tls.bundle import BUNDLE_NAME, CA_NAME, trust_environment
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

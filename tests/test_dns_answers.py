@@ -18,7 +18,7 @@ from policy import Policy, compile_policy, load_manifest
 from policy.reasons import Reason
 from proxy.app.config import load_config
 from proxy.decide.vetting import Peer, Vetter
-from proxy.dns.answers import (
+from proxy.dns_responder.responder import (
     FORMERR,
     NOERROR,
     NOTIMP,

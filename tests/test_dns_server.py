@@ -1,4 +1,5 @@
-"""The DNS server's bounds (proxy/dns/server.py, proxy/dns/tcp.py) with small limits, in process,
+"""The DNS server's bounds (proxy/dns_responder/server.py, proxy/dns_responder/tcp_listener.py)
+with small limits, in process,
 on asyncio's loop and on uvloop's (skipped where uvloop is not installed): a real DnsServer on
 loopback sockets, real dnspython and socket clients, a real Policy and our
 resolver asking the tests' DNS server (tests/dns_server.py), whose `slow.test` never answers, so
@@ -28,12 +29,12 @@ from running import metric_value
 
 from policy import compile_policy, load_manifest
 from proxy.app.config import load_config
+from proxy.common.listeners import Listener, own_listener
 from proxy.decide.vetting import Vetter
-from proxy.dns.answers import DnsResponder
-from proxy.dns.server import DnsServer, ServerLimits
-from proxy.dns.tcp import MAX_BUFFERED
+from proxy.dns_responder.responder import DnsResponder
+from proxy.dns_responder.server import DnsServer, ServerLimits
+from proxy.dns_responder.tcp_listener import MAX_BUFFERED
 from proxy.net.resolver import Resolver
-from proxy.netaddr import Listener, own_listener
 from proxy.ops.audit import AuditLog
 from proxy.ops.metrics import Metrics
 

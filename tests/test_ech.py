@@ -38,11 +38,11 @@ from test_socks import socks_door
 from policy.reasons import Reason
 from proxy.app.config import load_config
 from proxy.cli import main
+from proxy.common.errors import ProxyError
+from proxy.common.settings import ECH_ALLOW, ECH_REFUSE
 from proxy.decide.clienthello import ENCRYPTED_CLIENT_HELLO, ESNI, parse_client_hello
 from proxy.decide.events import CloseEvent, DecisionEvent
 from proxy.decide.sni_gate import check_hello, read_hello
-from proxy.errors import ProxyError
-from proxy.settings import ECH_ALLOW, ECH_REFUSE
 
 MANIFEST = "network:\n  egress: [tls.test, up.test]\n"
 REFUSE = "tls:\n  ech: refuse\n"

@@ -30,16 +30,16 @@ from dns_server import DNSServer
 
 from policy import Policy, compile_policy, load_manifest
 from proxy.app.config import load_config
+from proxy.common.errors import ProxyError
+from proxy.common.listeners import Listener
+from proxy.common.refusals import DENIED_HEADER, ERROR_HEADER
 from proxy.dataplane.frontdoor import FrontDoor
 from proxy.decide.interception import Destination, engine_needed
 from proxy.decide.vetting import Peer, Vetter
-from proxy.errors import ProxyError
 from proxy.l7.engine import Engine
 from proxy.net.resolver import Resolver
-from proxy.netaddr import Listener
 from proxy.ops.audit import AuditLog
 from proxy.ops.metrics import Metrics
-from proxy.reasons import DENIED_HEADER, ERROR_HEADER
 
 CURL = "/usr/bin/curl"
 MANIFEST = """\

@@ -1,5 +1,5 @@
 """What a tunnel's first bytes say it is (proxy/decide/first_flight.py), and the refusal an
-SSH client reads (proxy/reasons.py `refusal_ssh`), parsed as RFC 4253 lays a packet out."""
+SSH client reads (proxy/common/refusals.py `refusal_ssh`), parsed as RFC 4253 lays a packet out."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from policy.reasons import Reason
+from proxy.common.refusals import SSH_IDENTIFICATION, Refused, refusal_ssh
 from proxy.decide.first_flight import HTTP_METHODS, FirstFlight, classify, is_opaque
-from proxy.reasons import SSH_IDENTIFICATION, Refused, refusal_ssh
 
 HELLO_START = b"\x16\x03\x01\x02\x00\x01"
 

@@ -43,13 +43,13 @@ from test_engine import curl as engine_curl
 
 from policy import compile_policy, load_manifest
 from proxy.app.config import Config, load_config
+from proxy.common.listeners import Listener
 from proxy.dataplane.frontdoor import FrontDoor
 from proxy.dataplane.heads import MAX_CONNECT_HEAD
 from proxy.decide.interception import engine_needed
 from proxy.decide.vetting import Vetter
 from proxy.l7.engine import Engine
 from proxy.net.resolver import Resolver
-from proxy.netaddr import Listener
 from proxy.ops.audit import AuditLog
 from proxy.ops.metrics import Metrics
 

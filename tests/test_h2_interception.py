@@ -47,11 +47,11 @@ from test_engine import (
 )
 
 from policy.reasons import Reason
+from proxy.common.listeners import Listener
+from proxy.common.refusals import Refused
 from proxy.decide.interception import Destination
 from proxy.decide.vetting import Peer
-from proxy.l7.rules import check_request, denial, grpc_message
-from proxy.netaddr import Listener
-from proxy.reasons import Refused
+from proxy.l7.request_checks import check_request, denial, grpc_message
 
 SERVICE = "test.Echo"
 TIMEOUT = 10.0  # every call and wait of a client below is bounded by it
@@ -546,7 +546,7 @@ async def test_http1_requests_mitmproxy_finds_invalid_get_our_answer(
     assert (line["decision"], line["reason"], line["stage"]) == ("deny", reason, "request")
 
 
-# -- the rules themselves (proxy/l7/rules.py, on mitmproxy's parsed requests) --------------------
+# -- the rules themselves (proxy/l7/request_checks.py, on mitmproxy's parsed requests) ---------
 
 DESTINATION = Destination(
     host="paths.test",

@@ -31,9 +31,9 @@ from test_engine import (
 )
 from test_socks import curl_socks
 
-from proxy.errors import ProxyError
-from proxy.l7.ca import ensure_ca
-from proxy.netaddr import Listener
+from proxy.common.errors import ProxyError
+from proxy.common.listeners import Listener
+from proxy.tls.ca import ensure_ca
 
 
 @pytest.fixture(scope="module")

@@ -16,10 +16,11 @@ ROOT = Path(__file__).resolve().parent.parent
 # Lowest first. A module belongs to the first entry that is it or a package above it.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("policy",),
-    ("proxy.errors", "proxy.reasons", "proxy.netaddr", "proxy.terminal", "proxy.settings"),
+    ("proxy.common",),  # errors, refusals, listener addresses, terminal text, settings
     ("proxy.decide",),  # the decision steps every plane shares
-    ("proxy.net",),  # resolver, dialing, relay
-    ("proxy.dataplane", "proxy.dns", "proxy.l7"),  # the planes: siblings, never each other
+    ("proxy.net", "proxy.tls"),  # resolver, dialing, relay; the session CA and trust bundle
+    # the planes: siblings, never each other
+    ("proxy.dataplane", "proxy.dns_responder", "proxy.l7"),
     ("proxy.ops",),  # admin, metrics, audit
     ("proxy.app",),  # the composition root
     ("proxy.boundary",),
@@ -62,7 +63,7 @@ def imports(path: Path, name: str) -> Iterator[tuple[str, int]]:
                 package = package[: len(package) - (node.level - 1)]
                 base = ".".join([*package, base] if base else package)
             yield base, node.lineno
-            for alias in node.names:  # `from proxy.boundary.nft import pod` names a module
+            for alias in node.names:  # `from proxy.boundary.nft import pod_rules` names a module
                 yield f"{base}.{alias.name}", node.lineno
 
 

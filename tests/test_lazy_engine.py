@@ -227,7 +227,9 @@ def test_a_sidecar_session_never_imports_mitmproxy(
         )  # fmt: skip
         assert through.stdout == TLS_BODY, through.stderr
         wait_for(lambda: len(proxy.closes()) == 3, what="three close lines")
-        assert "proxy.dns.server" in imported_modules(proxy.stderr())  # the flag took effect
+        assert "proxy.dns_responder.server" in imported_modules(
+            proxy.stderr()
+        )  # the flag took effect
         port = int(proxy.stderr().split(f"dns://{LOOPBACK}:")[1].split()[0])
         port6 = int(proxy.stderr().split("dns://[::1]:")[1].split()[0])
         for name, rdtype in (("tls.test", "A"), ("denied.test", "A"), ("tls.test", "HTTPS")):

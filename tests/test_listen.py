@@ -13,8 +13,8 @@ from dns_server import DNSServer
 from running import LOOPBACK, RunningProxy, curl, http_upstream, wait_for
 
 from proxy.cli import main
-from proxy.errors import ProxyError
-from proxy.netaddr import Listener, check_listeners, parse_dns_listener, parse_listener
+from proxy.common.errors import ProxyError
+from proxy.common.listeners import Listener, check_listeners, parse_dns_listener, parse_listener
 
 
 def answer(conn: socket.socket) -> bytes:

@@ -23,7 +23,7 @@ from importlib import metadata
 import pytest
 from mitmproxy.proxy import mode_servers, mode_specs
 
-from proxy.errors import ProxyError
+from proxy.common.errors import ProxyError
 from proxy.l7 import patches
 from proxy.l7.modes import InterceptInstance, InterceptMode
 

@@ -23,7 +23,7 @@ from proxy.boundary.probes.runner import run_probes
 from proxy.boundary.probes.spec import DnsProbe, ProbeSpec, TcpProbe, parse_spec
 from proxy.boundary.probes.tcp import tcp_answered_by_proxy
 from proxy.boundary.probes.udp import udp_blocked
-from proxy.errors import ProxyError
+from proxy.common.errors import ProxyError
 
 ROOT = Path(__file__).resolve().parent.parent
 LOOPBACK = "127.0.0.1"

@@ -83,7 +83,7 @@ def test_every_reason_in_the_source_is_a_catalog_member() -> None:
 
 def test_no_second_name_for_a_catalog_code() -> None:
     """No module-level constant spells a catalog code again (the old policy/decisions.py and
-    proxy/reasons.py constants, the DNS responder's, the relay's close reasons)."""
+    proxy/common/refusals.py constants, the DNS responder's, the relay's close reasons)."""
     problems = []
     for path in SOURCES:
         if path.name == "reasons.py" and path.parent.name == "policy":

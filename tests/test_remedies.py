@@ -18,7 +18,7 @@ from test_run_policy_edges import exchange
 
 from policy import Policy, Reason, compile_policy, load_ceiling, load_manifest
 from policy.remedies import client_remedy, path_prefix, remedy
-from proxy.reasons import Refused, refusal_parts, refusal_response
+from proxy.common.refusals import Refused, refusal_parts, refusal_response
 
 LOOPBACK = "127.0.0.1"
 YAML = "network:\n  egress: [github.com, up.test]\n"

@@ -17,7 +17,7 @@ import pytest
 from dns_server import DNSServer, running_dns_server
 
 from proxy.app.config import Config, Nameserver
-from proxy.errors import ProxyError
+from proxy.common.errors import ProxyError
 from proxy.net.resolver import MAX_ADDRESSES, Resolver, _Family
 
 

@@ -17,7 +17,7 @@ import pytest
 from policy import PolicyError
 from proxy.boundary.nft.chains import check_table_name
 from proxy.boundary.nft.compare import expected_chains
-from proxy.boundary.nft.sandbox import sandbox_chains, sandbox_ruleset
+from proxy.boundary.nft.sandbox_rules import sandbox_chains, sandbox_ruleset
 from proxy.boundary.sandbox import preflight
 from proxy.boundary.sandbox.net import (
     AddressPlan,
@@ -29,7 +29,7 @@ from proxy.boundary.sandbox.net import (
 from proxy.boundary.sandbox.options import resolve_user
 from proxy.boundary.sandbox.outcome import EXIT_PRIVILEGES
 from proxy.cli import build_parser, main
-from proxy.errors import ProxyError
+from proxy.common.errors import ProxyError
 
 NFT = shutil.which("nft")
 

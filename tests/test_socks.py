@@ -46,10 +46,10 @@ from test_clients import TLS_BODY, TLSUpstream, tls_upstream
 from policy import compile_policy, load_manifest
 from proxy.app.config import load_config
 from proxy.cli import main
+from proxy.common.listeners import Listener, parse_listener
 from proxy.dataplane.frontdoor import FrontDoor
 from proxy.decide.vetting import Vetter
 from proxy.net.resolver import Resolver
-from proxy.netaddr import Listener, parse_listener
 from proxy.ops.audit import AuditLog
 from proxy.ops.metrics import Metrics
 

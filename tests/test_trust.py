@@ -1,4 +1,4 @@
-"""The session trust bundle (proxy/l7/trust.py) and `egress-proxy trust`: the system's roots (as
+"""The session trust bundle (proxy/tls/bundle.py) and `egress-proxy trust`: the system's roots (as
 OpenSSL finds them in this process) plus the session CA, public files beside the CA or in
 `inspection.trust_dir`, never the key; the variables that point common tools at them; real TLS
 handshakes verified against the bundle."""
@@ -21,9 +21,9 @@ from dns_server import DNSServer
 from running import RunningProxy
 
 from proxy.cli import main
-from proxy.errors import ProxyError
-from proxy.l7.ca import ensure_ca
-from proxy.l7.trust import TRUST_VARIABLES, publish, system_roots, trust_environment
+from proxy.common.errors import ProxyError
+from proxy.tls.bundle import TRUST_VARIABLES, publish, system_roots, trust_environment
+from proxy.tls.ca import ensure_ca
 
 ROOT = Path(__file__).resolve().parent.parent
 

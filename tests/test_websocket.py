@@ -26,7 +26,7 @@ from ws_server import EchoServer, WSClient, serving_echo
 from wsproto.events import BytesMessage, Ping, Pong, TextMessage
 
 from policy import compile_policy, load_manifest
-from proxy.reasons import DENIED_HEADER
+from proxy.common.refusals import DENIED_HEADER
 
 MANIFEST = "network:\n  egress: [ws.test, private.test]\n"
 

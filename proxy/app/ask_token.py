@@ -15,7 +15,7 @@ import re
 import secrets
 import stat
 
-from proxy.errors import ProxyError
+from proxy.common.errors import ProxyError
 
 __all__ = ["read_or_create_token"]
 

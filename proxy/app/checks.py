@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from proxy.errors import ProxyError
+from proxy.common.errors import ProxyError
+from proxy.common.listeners import Listener, format_listen, own_listener
+from proxy.common.settings import Config
 from proxy.net.resolver import Resolver
-from proxy.netaddr import Listener, format_listen, own_listener
-from proxy.settings import Config
 
 
 def refuse_own_nameservers(resolver: Resolver, own: Sequence[Listener]) -> None:

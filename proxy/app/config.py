@@ -18,9 +18,9 @@ from policy.findings import describe_type, quote
 from policy.hostnames import check_entry, parse_ip_literal
 from policy.urls import split_authority
 from proxy.app.config_reader import ConfigReader, Section, parse_duration
-from proxy.app.credentials import read_credentials
-from proxy.errors import ProxyError
-from proxy.settings import (
+from proxy.app.credentials_config import read_credentials
+from proxy.common.errors import ProxyError
+from proxy.common.settings import (
     ALL,
     ASK_ALLOW,
     ASK_MODES,
@@ -60,7 +60,7 @@ SECTIONS: dict[str, tuple[str, ...] | None] = {
     "internal_suffixes": None,
     "learn": None,
     "ask": None,
-    "credentials": None,  # proxy/app/credentials.py
+    "credentials": None,  # proxy/app/credentials_config.py
 }
 _PLATFORM_KEYS = ("host", "ports", "cidrs")
 # Far more than one session's file descriptors allow; a larger number is a typo.
@@ -273,7 +273,7 @@ def _inspection(inspection: Section) -> tuple[bool, str, str | None, str, str | 
 
 def _tls(tls: Section) -> str:
     """`tls.ech`: `allow` (the default) or `refuse` a ClientHello that carries ECH or draft ESNI
-    (proxy.settings.ECH_MODES)."""
+    (proxy.common.settings.ECH_MODES)."""
     return tls.choice("ech", ECH_MODES, ECH_ALLOW)
 
 

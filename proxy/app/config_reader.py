@@ -20,7 +20,7 @@ from policy.addresses import IPNetwork
 from policy.documents import decode_text, syntax_for
 from policy.findings import Finding, describe_type, key_text, quote, unknown_key_message
 from policy.numbers import check_prefix_length, whole_number
-from proxy.errors import ProxyError
+from proxy.common.errors import ProxyError
 
 # Far beyond any sane timeout, and small enough that no event loop or socket call overflows.
 MAX_DURATION = 7 * 24 * 3600.0

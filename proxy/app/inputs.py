@@ -20,10 +20,10 @@ from policy import (
 from policy.documents import MAX_DOCUMENT_BYTES, too_large
 from policy.manifests import Format
 from proxy.app.config import Config, load_config
-from proxy.app.credentials import check_credentials
+from proxy.app.credentials_config import check_credentials
 from proxy.app.secrets import load_secrets
-from proxy.errors import ProxyError
-from proxy.settings import FORBID
+from proxy.common.errors import ProxyError
+from proxy.common.settings import FORBID
 
 
 def read_input(path: str) -> bytes:

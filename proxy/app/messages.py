@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from proxy.netaddr import Listener, format_listen
-from proxy.terminal import printable
+from proxy.common.listeners import Listener, format_listen
+from proxy.common.terminal import printable
 
 LEARNING = (
     "LEARNING MODE (--learn): connections the manifest does not allow are LET THROUGH and "

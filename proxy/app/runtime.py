@@ -9,7 +9,7 @@ same exit codes as `check`), open the audit log; when the session can need TLS i
 (`proxy.decide.interception.engine_needed`: inspection enabled, and URL-prefix rules or
 `inspection.mode: all`), load the interception engine and its CA (created on first start), and
 otherwise never import mitmproxy; bind the admin listener, the DNS listeners (`dns_listen`: our
-own UDP and TCP server, proxy/dns/server.py), then the front door's listeners
+own UDP and TCP server, proxy/dns_responder/server.py), then the front door's listeners
 (proxy/dataplane/frontdoor.py: every connection is the front door's; only the TLS connections
 it intercepts are handed to the engine, loaded then if not yet), refuse a nameserver that is one
 of those listeners (the proxy would ask itself), then mark the proxy ready. A CA problem exits
@@ -66,28 +66,28 @@ from proxy.app.ask_token import read_or_create_token
 from proxy.app.checks import needs_restart, refuse_own_nameservers
 from proxy.app.inputs import Compiled, Inputs, compile_inputs, refuse_forbidden
 from proxy.app.messages import LEARNING, PrintableFormatter, asking, listening, try_it
+from proxy.common.errors import ProxyError
+from proxy.common.listeners import Listener, format_listen
+from proxy.common.settings import FORBID, Limits
+from proxy.common.terminal import printable
 from proxy.dataplane.frontdoor import FrontDoor
 from proxy.decide.asks import AskLimits, Asks
 from proxy.decide.attribution import Attribution
 from proxy.decide.interception import engine_needed
 from proxy.decide.vetting import Vetter
-from proxy.dns.answers import DnsResponder
-from proxy.dns.server import DnsServer, ServerLimits
-from proxy.errors import ProxyError
+from proxy.dns_responder.responder import DnsResponder
+from proxy.dns_responder.server import DnsServer, ServerLimits
 from proxy.net.resolver import Resolver
-from proxy.netaddr import Listener, format_listen
 from proxy.ops.admin import AdminServer
 from proxy.ops.audit import AuditLog
 from proxy.ops.denials import Denials
 from proxy.ops.metrics import Metrics
 from proxy.ops.readiness import Readiness
-from proxy.settings import FORBID, Limits
-from proxy.terminal import printable
 
 if TYPE_CHECKING:
-    from proxy.l7.ca import CertificateAuthority
     from proxy.l7.engine import Engine
-    from proxy.l7.trust import TrustFiles
+    from proxy.tls.bundle import TrustFiles
+    from proxy.tls.ca import CertificateAuthority
 
 # Upper bound of the SIGTERM drain: live connections get min(this, limits.idle_timeout).
 MAX_DRAIN_SECONDS = 5.0
@@ -212,7 +212,7 @@ class Runtime:
             elif config.trust_dir is not None:
                 # A published trust directory is mounted by the agent before any request:
                 # its files must exist even if nothing is intercepted yet.
-                from proxy.l7.ca import ensure_ca
+                from proxy.tls.ca import ensure_ca
 
                 ca = ensure_ca(config.ca_dir)
             trust = self._publish_trust(ca) if ca is not None else None
@@ -328,7 +328,7 @@ class Runtime:
 
     def _publish_trust(self, ca: CertificateAuthority) -> TrustFiles:
         """The trust bundle and CA certificate, in `inspection.trust_dir` or beside the CA."""
-        from proxy.l7.trust import publish
+        from proxy.tls.bundle import publish
 
         self.trust = publish(ca, self.compiled.config.trust_dir)
         return self.trust

@@ -1,5 +1,5 @@
-"""The secrets of the operator's credentials (proxy/app/credentials.py), read from their files
-or variables: the one place they are read, used by start-up and by every reload (a rotation),
+"""The secrets of the operator's credentials (proxy/app/credentials_config.py), read from their
+files or variables: the one place they are read, used by start-up and by every reload (a rotation),
 through proxy/app/inputs.py's `compile_inputs`. A value that cannot be used is described, never
 shown."""
 
@@ -11,8 +11,8 @@ import stat
 from typing import Final
 
 from policy.findings import Finding
-from proxy.errors import ProxyError
-from proxy.settings import Config, Credential, Secret
+from proxy.common.errors import ProxyError
+from proxy.common.settings import Config, Credential, Secret
 
 # Far above any API token or key; a file larger than this is not one.
 MAX_SECRET: Final = 16 * 1024

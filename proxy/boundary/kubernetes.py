@@ -17,8 +17,8 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TextIO
 
-from proxy.errors import ProxyError
-from proxy.terminal import printable
+from proxy.common.errors import ProxyError
+from proxy.common.terminal import printable
 
 if TYPE_CHECKING:
     from proxy.boundary.probes.spec import ProbeSpec
@@ -116,7 +116,7 @@ def _ruleset_text(options: ApplyOptions) -> str:
             raise ProxyError(
                 "usage", f"--ruleset {options.ruleset[:80]!r} is not UTF-8 text"
             ) from None
-    from proxy.boundary.nft.pod import pod_ruleset
+    from proxy.boundary.nft.pod_rules import pod_ruleset
 
     transparent, dns = options.transparent_port, options.dns_port
     if transparent is None or dns is None:

@@ -31,7 +31,7 @@ from proxy.cli.run import add_run_parser, cmd_run
 from proxy.cli.sandbox import add_sandbox_parser, cmd_sandbox
 from proxy.cli.suggest import add_suggest_parser, cmd_suggest
 from proxy.cli.trust import add_trust_parser, cmd_trust
-from proxy.terminal import printable
+from proxy.common.terminal import printable
 
 
 class _Parser(argparse.ArgumentParser):

@@ -23,8 +23,8 @@ from policy import PolicyError
 from policy.asking import ALLOW_ONCE, ALLOW_SESSION, DENY, DENY_SESSION
 from proxy.app.ask_token import read_or_create_token
 from proxy.cli.output import EXIT_OK
-from proxy.netaddr import format_listen, parse_listen
-from proxy.terminal import printable
+from proxy.common.listeners import format_listen, parse_listen
+from proxy.common.terminal import printable
 
 __all__ = ["add_ask_parser", "cmd_ask"]
 

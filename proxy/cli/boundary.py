@@ -19,7 +19,7 @@ from proxy.boundary.kubernetes import (
     VerifyOptions,
 )
 from proxy.boundary.nft.chains import DEFAULT_TABLE
-from proxy.netaddr import decimal, is_port
+from proxy.common.listeners import decimal, is_port
 
 
 def _port(text: str) -> int:

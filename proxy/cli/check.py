@@ -23,10 +23,10 @@ from policy.hostnames import normalize_host, parse_ip_literal
 from policy.manifests import FORMATS
 from policy.urls import parse_target
 from proxy.app.config import Config
-from proxy.app.credentials import credential_findings
+from proxy.app.credentials_config import credential_findings
 from proxy.app.inputs import load_inputs, read_config, read_input, source_name
 from proxy.cli.output import EXIT_FINDINGS, EXIT_OK, MAX_TABLE_ROWS, more, print_json, table
-from proxy.terminal import printable
+from proxy.common.terminal import printable
 
 
 def add_check_parsers(sub: Any) -> None:

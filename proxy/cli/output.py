@@ -7,7 +7,7 @@ import json
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from proxy.terminal import printable
+from proxy.common.terminal import printable
 
 EXIT_OK, EXIT_FINDINGS, EXIT_INPUT, EXIT_INTERNAL = 0, 1, 2, 70
 

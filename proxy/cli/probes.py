@@ -16,8 +16,8 @@ from typing import NoReturn
 from proxy.boundary.probes.privileges import drop_privileges, parse_user
 from proxy.boundary.probes.runner import report, run_probes
 from proxy.boundary.probes.spec import INVALID_SPEC, parse_spec
-from proxy.errors import ProxyError
-from proxy.reasons import shown
+from proxy.common.errors import ProxyError
+from proxy.common.refusals import shown
 
 
 class _Parser(argparse.ArgumentParser):

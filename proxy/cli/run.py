@@ -72,7 +72,12 @@ def add_run_parser(sub: Any) -> None:
 def cmd_run(args: argparse.Namespace, out: TextIO) -> int:
     # Imported here: check, explain and classify never load mitmproxy.
     from proxy.app import inputs, runtime
-    from proxy.netaddr import check_listeners, parse_dns_listener, parse_listen, parse_listener
+    from proxy.common.listeners import (
+        check_listeners,
+        parse_dns_listener,
+        parse_listen,
+        parse_listener,
+    )
 
     if args.ask != bool(args.ask_token):
         raise PolicyError(

@@ -18,7 +18,7 @@ from proxy.boundary.sandbox.options import (
     resolve_user,
     usage_error,
 )
-from proxy.netaddr import parse_listen
+from proxy.common.listeners import parse_listen
 
 _N = TypeVar("_N")
 

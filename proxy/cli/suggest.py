@@ -15,7 +15,7 @@ from policy.manifests import FORMATS
 from policy.suggest import Collector, Outside, Suggested, Suggestion, Unsuggested
 from proxy.app.inputs import read_input, source_name
 from proxy.cli.output import EXIT_OK, print_json
-from proxy.terminal import printable
+from proxy.common.terminal import printable
 
 # An audit line is capped well below this (every field has its cap); a longer one is not ours.
 MAX_LINE = 256 * 1024

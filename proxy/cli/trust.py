@@ -38,9 +38,9 @@ def add_trust_parser(sub: Any) -> None:
 
 def cmd_trust(args: argparse.Namespace, out: TextIO) -> int:
     from proxy.app.inputs import read_config
-    from proxy.errors import ProxyError
-    from proxy.l7.ca import ensure_ca
-    from proxy.l7.trust import TRUST_VARIABLES, publish
+    from proxy.common.errors import ProxyError
+    from proxy.tls.bundle import TRUST_VARIABLES, publish
+    from proxy.tls.ca import ensure_ca
 
     config = read_config(args.config)
     if not config.operator.inspection_enabled:

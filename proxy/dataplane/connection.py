@@ -19,23 +19,23 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from policy.reasons import Reason
+from proxy.common.errors import ProxyError
+from proxy.common.refusals import Refused, refusal_response, refusal_ssh
 from proxy.decide.asks import CLIENT_GONE
 from proxy.decide.events import CloseEvent
 from proxy.decide.interception import Destination
 from proxy.decide.vetting import Peer, next_connection_id
-from proxy.errors import ProxyError
 from proxy.net.bytecount import Counter
 from proxy.net.pool import Pool
 from proxy.net.relay import Relay
-from proxy.reasons import Refused, refusal_response, refusal_ssh
 
 if TYPE_CHECKING:
+    from proxy.common.listeners import Listener
+    from proxy.common.settings import Config
     from proxy.decide.attribution import Attribution
     from proxy.decide.events import AuditSink, MetricsSink
     from proxy.decide.interception import Interceptor
     from proxy.decide.vetting import Vetted, Vetter
-    from proxy.netaddr import Listener
-    from proxy.settings import Config
 
 logger = logging.getLogger(__name__)
 

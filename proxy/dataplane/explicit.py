@@ -8,11 +8,11 @@ the session's DNS answered for allowed names is decided on those names (`attribu
 
 from __future__ import annotations
 
+from proxy.common.refusals import Refused, authority
 from proxy.dataplane import streams
 from proxy.dataplane.connection import Connection
 from proxy.dataplane.heads import ConnectHead, head_state, parse_connect
 from proxy.dataplane.http import HttpPlane
-from proxy.reasons import Refused, authority
 
 ESTABLISHED = b"HTTP/1.1 200 Connection established\r\n\r\n"
 

@@ -25,19 +25,19 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
 from policy.reasons import Reason
+from proxy.common.errors import ProxyError
+from proxy.common.listeners import Listener
 from proxy.dataplane.connection import Door
 from proxy.dataplane.kinds import protocol_for
-from proxy.errors import ProxyError
 from proxy.net.sockets import listening_socket
-from proxy.netaddr import Listener
 
 if TYPE_CHECKING:
     from policy import Policy
+    from proxy.common.settings import Config
     from proxy.decide.attribution import Attribution
     from proxy.decide.events import AuditSink, MetricsSink
     from proxy.decide.interception import Interceptor
     from proxy.decide.vetting import Vetter
-    from proxy.settings import Config
 
 logger = logging.getLogger(__name__)
 

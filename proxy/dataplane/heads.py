@@ -13,7 +13,7 @@ import httptools
 from policy import PolicyError
 from policy.reasons import Reason
 from policy.urls import split_authority
-from proxy.reasons import Refused
+from proxy.common.refusals import Refused
 
 # A CONNECT head is a line and a few headers; anything near this is not a CONNECT we want.
 MAX_CONNECT_HEAD = 16 * 1024

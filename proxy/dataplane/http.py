@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Final
 import httptools
 
 from policy.reasons import Reason
+from proxy.common.refusals import Refused, refusal_response
 from proxy.dataplane.http_forward import serve
 from proxy.dataplane.http_messages import (
     MAX_FIELDS,
@@ -41,7 +42,6 @@ from proxy.dataplane.http_requests import Request
 from proxy.dataplane.http_upstream import Exchange
 from proxy.decide.http_checks import WEBSOCKET
 from proxy.net.relay import Relay
-from proxy.reasons import Refused, refusal_response
 
 if TYPE_CHECKING:
     from proxy.dataplane.connection import Connection

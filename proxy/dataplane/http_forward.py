@@ -13,13 +13,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from policy.reasons import Reason
+from proxy.common.refusals import Refused, authority
 from proxy.dataplane import tunnel
 from proxy.dataplane.http_messages import forwarded_fields, request_head
 from proxy.dataplane.http_requests import Rejected, Request, destination
 from proxy.dataplane.http_upstream import FAILED, REUSABLE, STALE, SWITCHED, Client, Exchange
-from proxy.decide.credentials import counted, inject
+from proxy.decide.injection import counted, inject
 from proxy.net.dialing import UpstreamError, connect_upstream, dial_checked
-from proxy.reasons import Refused, authority
 
 if TYPE_CHECKING:
     from proxy.dataplane.connection import Door

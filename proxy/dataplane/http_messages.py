@@ -16,7 +16,7 @@ from typing import Final
 from policy.errors import PolicyError
 from policy.reasons import Reason
 from policy.urls import split_authority
-from proxy.reasons import Refused, shown
+from proxy.common.refusals import Refused, shown
 
 type Fields = list[tuple[bytes, bytes]]  # (name as sent, value), in order
 

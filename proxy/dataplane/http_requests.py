@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from policy.reasons import Reason
+from proxy.common.refusals import Refused, authority, shown
 from proxy.dataplane.http_messages import RequestHead, absolute_target, has_field
 from proxy.decide.http_checks import check_host, check_upgrade, parse_host_field
 from proxy.decide.vetting import canonical_host
-from proxy.reasons import Refused, authority, shown
 
 
 class BodySink(Protocol):

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Final, Protocol
 import httptools
 
 from policy.reasons import Reason
+from proxy.common.refusals import Refused, shown
 from proxy.dataplane.http_messages import (
     CHUNKED,
     LAST_CHUNK,
@@ -32,7 +33,6 @@ from proxy.dataplane.http_messages import (
     response_head,
 )
 from proxy.decide.http_checks import WEBSOCKET, upgrade_tokens
-from proxy.reasons import Refused, shown
 
 if TYPE_CHECKING:
     from proxy.dataplane.connection import Connection

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from proxy.common.listeners import Listener
 from proxy.dataplane.connection import Connection, Door
 from proxy.dataplane.explicit import Explicit
 from proxy.dataplane.socks5 import Socks5
 from proxy.dataplane.transparent import Transparent
-from proxy.netaddr import Listener
 
 _KINDS: dict[str, type[Connection]] = {
     "http": Explicit,

@@ -42,9 +42,9 @@ from typing import Final
 from policy import PolicyError
 from policy.hostnames import normalize_host
 from policy.reasons import Reason
+from proxy.common.refusals import Refused, authority, shown
 from proxy.dataplane import streams
 from proxy.dataplane.connection import Connection
-from proxy.reasons import Refused, authority, shown
 
 VERSION: Final = 5
 NO_AUTHENTICATION: Final = 0x00

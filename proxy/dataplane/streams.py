@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 from policy.hostnames import parse_ip_literal
 from policy.learning import LEARNABLE as LIFTED_BY_ENTRY
 from policy.reasons import Reason
+from proxy.common.refusals import Refused, authority
 from proxy.dataplane import tunnel
 from proxy.dataplane.http import HttpPlane
 from proxy.dataplane.tunnel import Dialled, dial_vetted, gate, relay
 from proxy.decide.first_flight import FirstFlight, classify
 from proxy.decide.interception import intercepted
-from proxy.reasons import Refused, authority
 
 if TYPE_CHECKING:
     from policy import Decision

@@ -28,6 +28,7 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from policy.reasons import Reason
+from proxy.common.refusals import Refused, authority, refusal_alert
 from proxy.dataplane import streams, tunnel
 from proxy.dataplane.connection import Connection
 from proxy.dataplane.http import HttpPlane
@@ -35,7 +36,6 @@ from proxy.decide.first_flight import FirstFlight, is_opaque
 from proxy.decide.interception import intercepted
 from proxy.decide.sni_gate import read_hello
 from proxy.net.sockets import original_destination
-from proxy.reasons import Refused, authority, refusal_alert
 
 if TYPE_CHECKING:
     from policy import Decision

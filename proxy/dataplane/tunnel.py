@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from policy.reasons import Reason
+from proxy.common.refusals import Refused, authority
 from proxy.decide.first_flight import FirstFlight
 from proxy.decide.sni_gate import GateOutcome, check_hello
 from proxy.net.dialing import Upstream, UpstreamError, connect_upstream, dial_checked
 from proxy.net.relay import Relay
-from proxy.reasons import Refused, authority
 
 if TYPE_CHECKING:
     from policy import Decision

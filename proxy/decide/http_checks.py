@@ -1,7 +1,7 @@
 """What an HTTP request must be before its destination is decided, on every plane: the upgrade
 rule and the Host rule. Pure functions of header values (strings); no sockets, no mitmproxy.
 The front door's HTTP plane (proxy/dataplane/http.py) and the interception engine's request
-gate (proxy/l7/rules.py) both call these, so the two cannot drift apart.
+gate (proxy/l7/request_checks.py) both call these, so the two cannot drift apart.
 
     refused = check_upgrade(upgrade_values, has_http2_settings)     # None, or the Refused
     refused = check_host(host_values, "up.test", 8080, default_port=80, where="up.test:8080")
@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from policy.errors import PolicyError
 from policy.reasons import Reason
 from policy.urls import split_authority
+from proxy.common.refusals import Refused, shown
 from proxy.decide.vetting import canonical_host
-from proxy.reasons import Refused, shown
 
 WEBSOCKET = "websocket"
 

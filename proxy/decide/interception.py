@@ -14,12 +14,12 @@ import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from proxy.settings import ALL
+from proxy.common.settings import ALL
 
 if TYPE_CHECKING:
     from policy import Decision, Policy
+    from proxy.common.settings import Config
     from proxy.decide.vetting import Peer
-    from proxy.settings import Config
 
 
 @dataclass(frozen=True, slots=True)

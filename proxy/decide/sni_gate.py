@@ -24,10 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from policy.reasons import Reason
+from proxy.common.refusals import Refused, shown
+from proxy.common.settings import ECH_ALLOW, ECH_REFUSE
 from proxy.decide.clienthello import ENCRYPTED_CLIENT_HELLO, ClientHelloError, parse_client_hello
 from proxy.decide.vetting import canonical_host
-from proxy.reasons import Refused, shown
-from proxy.settings import ECH_ALLOW, ECH_REFUSE
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,10 +22,10 @@ from policy.asking import ALLOW_ONCE, ALLOW_SESSION, Question
 from policy.decisions import Decision
 from policy.hostnames import normalize_host, parse_ip_literal
 from policy.reasons import Reason
+from proxy.common.errors import ProxyError
+from proxy.common.refusals import Refused, authority
 from proxy.decide.asks import OVERLOADED, RELOAD, TIMEOUT, Asks
 from proxy.decide.events import DecisionEvent
-from proxy.errors import ProxyError
-from proxy.reasons import Refused, authority
 
 # The resolver's reason for NOERROR with no A or AAAA record (proxy/net/resolver.py).
 

@@ -2,14 +2,14 @@
 planes share (`Vetter`: name stage on the request's URL, DNS once, address stage), and the
 answers back into mitmproxy's terms (a response, a refused dial, a killed flow).
 
-- `RequestGate`: every request inside an intercepted connection, HTTP/1.1 or an HTTP/2 stream,
-  is decided on its own (`requestheaders`): its Host (or `:authority`, and an absolute-form
-  authority) must name the connection's host (proxy/l7/rules.py), a CONNECT and every upgrade but
-  WebSocket are refused, then the policy decides its path and the checked addresses are kept for
-  the dial. gRPC bodies are streamed both ways (messages pass as they come, trailers after). A
-  101 is accepted only for the WebSocket the request asked for, then relayed as bytes with
-  nothing kept (`tcp_message`). When the upstream failed, `error` leaves our 502/504 for the
-  client (patches.AnsweringHttpLayer sends it).
+- `RequestGate`: every request inside an intercepted connection, HTTP/1.1 or an HTTP/2 stream, is
+  decided on its own (`requestheaders`): its Host (or `:authority`, and an absolute-form authority)
+  must name the connection's host (proxy/l7/request_checks.py), a CONNECT and every upgrade but
+  WebSocket are refused, then the policy decides its path and the checked addresses are kept for the
+  dial. gRPC bodies are streamed both ways (messages pass as they come, trailers after). A 101 is
+  accepted only for the WebSocket the request asked for, then relayed as bytes with nothing kept
+  (`tcp_message`). When the upstream failed, `error` leaves our 502/504 for the client
+  (patches.AnsweringHttpLayer sends it).
 - `Pinning`: `server_connect` allows a dial only to the checked addresses of a decided request
   (patches.DialingHandler dials them); the upstream's certificate is verified against the name,
   and is offered only the HTTP versions the client offered (h2 only to an h2 client).
@@ -32,10 +32,11 @@ from mitmproxy import http, tcp
 from mitmproxy.proxy.layers.tls import HTTP1_ALPNS, HTTP2_ALPN
 
 from policy.reasons import Reason
-from proxy.errors import ProxyError
+from proxy.common.errors import ProxyError
+from proxy.common.refusals import Refused, authority, shown
 from proxy.l7.modes import CloseClient
 from proxy.l7.patches import ANSWER
-from proxy.l7.rules import (
+from proxy.l7.request_checks import (
     WEBSOCKET,
     check_request,
     denial,
@@ -44,7 +45,6 @@ from proxy.l7.rules import (
     upgrade_tokens,
 )
 from proxy.l7.state import Dial
-from proxy.reasons import Refused, authority, shown
 
 if TYPE_CHECKING:
     from mitmproxy.connection import Client
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 
     from proxy.decide.events import MetricsSink
     from proxy.decide.vetting import Vetter
-    from proxy.l7.credentials import CredentialInjector
+    from proxy.l7.injector import CredentialInjector
     from proxy.l7.state import Intercepted, Ledger
 
 logger = logging.getLogger(__name__)
@@ -227,7 +227,7 @@ class RequestGate(_Hooks):
         self, vetter: Vetter, ledger: Ledger, credentials: CredentialInjector | None = None
     ) -> None:
         super().__init__(vetter, ledger)
-        self.credentials = credentials  # proxy/l7/credentials.py
+        self.credentials = credentials  # proxy/l7/injector.py
 
     @fail_closed(_deny_request)
     async def requestheaders(self, flow: http.HTTPFlow) -> None:

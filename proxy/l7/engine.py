@@ -12,7 +12,7 @@ door hands it, each from the TLS layer on with its destination decided.
 The engine listens on nothing. A connection reaches it only through `intercept`, after the
 front door decided its name, vetted its addresses, passed its SNI gate and answered the
 client's proxy protocol (a CONNECT's 200, a SOCKS5 reply; nothing on a transparent listener).
-Then (DESIGN 3): our CA's certificate to the client (proxy/l7/ca.py); HTTP/1.1 inside, or HTTP/2
+Then (DESIGN 3): our CA's certificate to the client (proxy/tls/ca.py); HTTP/1.1 inside, or HTTP/2
 to a client that offers it (ALPN h2); each request (each HTTP/2 stream) decided on its own, its
 Host or :authority naming the connection's host (the SNI's), a CONNECT and every upgrade but
 WebSocket refused (proxy/l7/addons.py, rules.py); the dial pinned to checked addresses, with the
@@ -40,23 +40,23 @@ from mitmproxy.addons import proxyserver, tlsconfig
 from mitmproxy.master import Master
 
 from policy.reasons import Reason
+from proxy.common.errors import ProxyError
+from proxy.common.refusals import Refused
 from proxy.decide.events import CloseEvent
 from proxy.decide.vetting import Vetter
-from proxy.errors import ProxyError
 from proxy.l7 import patches
 from proxy.l7.addons import STREAM_LARGE_BODIES, Pinning, RequestGate
-from proxy.l7.ca import CertificateAuthority, check_upstream_ca, ensure_ca
-from proxy.l7.credentials import CredentialInjector
+from proxy.l7.injector import CredentialInjector
 from proxy.l7.modes import InterceptInstance, InterceptMode
 from proxy.l7.state import Bytes, Intercepted, Ledger
-from proxy.reasons import Refused
+from proxy.tls.ca import CertificateAuthority, check_upstream_ca, ensure_ca
 
 if TYPE_CHECKING:
     from policy import Policy
+    from proxy.common.settings import Config, Credential
     from proxy.decide.events import AuditSink, MetricsSink
     from proxy.decide.interception import Destination
     from proxy.decide.vetting import Resolves
-    from proxy.settings import Config, Credential
 
 logger = logging.getLogger(__name__)
 

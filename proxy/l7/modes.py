@@ -20,7 +20,7 @@ from mitmproxy.proxy import commands, events, layer, mode_servers, mode_specs, t
 from mitmproxy.proxy.layers import ClientTLSLayer, ServerTLSLayer
 from mitmproxy.proxy.layers.http import HTTPMode
 
-from proxy.errors import ProxyError
+from proxy.common.errors import ProxyError
 from proxy.l7.patches import AnsweringHttpLayer, DialingHandler
 
 if TYPE_CHECKING:

@@ -48,7 +48,7 @@ from mitmproxy.proxy.layers.http import _http2
 from mitmproxy.proxy.layers.tls import HTTP1_ALPNS, HTTP2_ALPN
 
 from policy.reasons import Reason
-from proxy.errors import ProxyError
+from proxy.common.errors import ProxyError
 from proxy.net.dialing import UpstreamError, dial_checked
 
 if TYPE_CHECKING:

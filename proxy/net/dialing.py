@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, cast
 
 from policy.reasons import Reason
-from proxy.reasons import authority, shown
+from proxy.common.refusals import authority, shown
 
 if TYPE_CHECKING:
     from proxy.decide.events import MetricsSink

@@ -3,7 +3,7 @@ timeout, a TTL-capped cache, negative caching and one in-flight lookup per name.
 
 Why our own resolver: the OS resolver (`getaddrinfo`) accepts IP literals in lenient spellings,
 applies search domains and reads /etc/hosts, so a name could reach an address the policy never
-saw. Here every nameserver is an IP address (proxy/net/dnsquery.py connects to it directly,
+saw. Here every nameserver is an IP address (proxy/net/resolver_query.py connects to it directly,
 nothing is handed to the OS), the name is queried as an absolute name, and the answer returned is
 the one the caller checks and pins (DESIGN 3.3, 3.5).
 
@@ -34,11 +34,11 @@ import dns.rrset
 
 from policy import PolicyError, normalize_host
 from policy.reasons import Reason
-from proxy.errors import ProxyError
-from proxy.net.dnsquery import Failed, Reply, ask
+from proxy.common.errors import ProxyError
+from proxy.net.resolver_query import Failed, Reply, ask
 
 if TYPE_CHECKING:
-    from proxy.settings import Config
+    from proxy.common.settings import Config
 
 DEFAULT_CACHE_CAP = 300.0
 DEFAULT_NEGATIVE_TTL = 30.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 
-from proxy.netaddr import Listener
+from proxy.common.listeners import Listener
 
 BACKLOG = 1024
 SO_ORIGINAL_DST = 80  # linux/netfilter_ipv4.h; IP6T_SO_ORIGINAL_DST has the same number

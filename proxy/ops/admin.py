@@ -59,9 +59,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from policy.asking import ANSWERS
+from proxy.common.errors import ProxyError
+from proxy.common.listeners import format_listen
 from proxy.decide.asks import Asks
-from proxy.errors import ProxyError
-from proxy.netaddr import format_listen
 from proxy.ops.denials import MAX_SINCE, Denials
 from proxy.ops.readiness import Readiness
 

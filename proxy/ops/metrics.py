@@ -252,7 +252,7 @@ class Metrics:
         self._qtype = _LabelGuard(DNS_QTYPES)
         self._rcode = _LabelGuard(DNS_RCODES)
         self._tunnel_protocol = _LabelGuard(TUNNEL_PROTOCOLS)
-        self._credential = _LabelGuard()  # names are code-shaped (proxy/app/credentials.py)
+        self._credential = _LabelGuard()  # names are code-shaped (proxy/app/credentials_config.py)
         self._ask_outcome = _LabelGuard(ASK_OUTCOMES)
         self._counters: dict[_Spec, dict[tuple[str, ...], float]] = {s: {} for s in _COUNTERS}
         self._histograms: dict[_Spec, dict[tuple[str, ...], _Histogram]] = {

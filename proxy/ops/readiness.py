@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from proxy.terminal import one_line
+from proxy.common.terminal import one_line
 
 __all__ = ["CONDITIONS", "Readiness"]
 

@@ -7,8 +7,8 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from proxy.errors import ProxyError
-from proxy.netaddr import is_port
+from proxy.common.errors import ProxyError
+from proxy.common.listeners import is_port
 
 DEFAULT_TABLE = "egress_boundary"
 INVALID_BOUNDARY = "invalid_boundary"  # bad operator input: nothing was tried

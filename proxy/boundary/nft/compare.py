@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.boundary.nft.chains import BOUNDARY_FAILED, check_table_name
-from proxy.errors import ProxyError
+from proxy.common.errors import ProxyError
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from proxy.boundary.nft.chains import BOUNDARY_FAILED, DEFAULT_TABLE, check_table_name
 from proxy.boundary.nft.compare import ChainKey, compare_chains, expected_chains, loaded_chains
-from proxy.errors import ProxyError
+from proxy.common.errors import ProxyError
 
 _NFT_TIMEOUT = 30.0
 

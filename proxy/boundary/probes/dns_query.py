@@ -17,7 +17,7 @@ import dns.rdtypes.IN.A
 import dns.rdtypes.IN.AAAA
 
 from proxy.boundary.probes.result import ProbeResult, endpoint, oserror
-from proxy.reasons import shown
+from proxy.common.refusals import shown
 
 
 def dns_refused(

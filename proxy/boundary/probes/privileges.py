@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 
 from proxy.boundary.probes.result import oserror
-from proxy.errors import ProxyError
-from proxy.netaddr import decimal
-from proxy.reasons import shown
+from proxy.common.errors import ProxyError
+from proxy.common.listeners import decimal
+from proxy.common.refusals import shown
 
 
 def parse_user(text: str) -> tuple[int, int]:

@@ -11,9 +11,9 @@ import dns.exception
 import dns.name
 
 from proxy.boundary.probes.result import EXPECTS, Expect
-from proxy.errors import ProxyError
-from proxy.netaddr import is_port
-from proxy.reasons import shown
+from proxy.common.errors import ProxyError
+from proxy.common.listeners import is_port
+from proxy.common.refusals import shown
 
 INVALID_SPEC = "invalid_probe_spec"
 

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 
 from proxy.boundary.probes.result import ProbeResult, endpoint, family_of, oserror
-from proxy.reasons import DENIED_HEADER, ERROR_HEADER, SSH_IDENTIFICATION, shown
+from proxy.common.refusals import DENIED_HEADER, ERROR_HEADER, SSH_IDENTIFICATION, shown
 
 PROBE_HOST = "egress-boundary-probe.invalid"
 # A proxy's refusal is one short head and a one-line body; more than this is not the proxy.

@@ -18,7 +18,7 @@ from proxy.boundary.sandbox.children import (
 from proxy.boundary.sandbox.options import RunAs
 from proxy.boundary.sandbox.outcome import ActivationRefused
 from proxy.boundary.sandbox.preflight import Tools
-from proxy.settings import Credential
+from proxy.common.settings import Credential
 
 # COMMAND gets this long after SIGTERM (when the proxy died, or at teardown) before SIGKILL.
 TERM_GRACE = 3.0
@@ -47,8 +47,8 @@ def command_env(
     trust: dict[str, str] | None = None,
     credentials: Sequence[Credential] = (),
 ) -> dict[str, str]:
-    """`trust`: the trust variables (proxy/l7/trust.py), which replace any the caller had.
-    `credentials`: the operator's (proxy/app/credentials.py); each one's `env` is set to its
+    """`trust`: the trust variables (proxy/tls/bundle.py), which replace any the caller had.
+    `credentials`: the operator's (proxy/app/credentials_config.py); each one's `env` is set to its
     placeholder, and no secret reaches COMMAND (see `without_secrets`)."""
     env = without_secrets(without_proxy_variables(os.environ), credentials)
     env.update({c.env: c.placeholder for c in credentials if c.env and c.placeholder})

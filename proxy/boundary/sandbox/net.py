@@ -9,8 +9,8 @@ namespace with its veth pair (created and deleted with `ip`).
 
 The session's addresses can route nowhere but the host side of its own veth: by default an IPv4
 /30 from link-local space (never forwarded by a router) and a random IPv6 ULA /64. The namespace
-reaches only the host side; the host-side nftables rules (proxy/boundary/nft/sandbox.py) decide
-what of that is answered.
+reaches only the host side; the host-side nftables rules (proxy/boundary/nft/sandbox_rules.py)
+decide what of that is answered.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from policy import classify
-from proxy.errors import ProxyError
+from proxy.common.errors import ProxyError
 
 # IPv4 link-local space: a router never forwards it, so a leaked packet goes nowhere. The top
 # /20 keeps clear of the cloud metadata addresses (169.254.169.254, 169.254.170.2, ...) and of

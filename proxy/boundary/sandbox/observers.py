@@ -9,7 +9,7 @@ import socket
 from dataclasses import dataclass, field
 
 from proxy.boundary.sandbox.net import AddressPlan
-from proxy.netaddr import format_listen
+from proxy.common.listeners import format_listen
 
 
 @dataclass

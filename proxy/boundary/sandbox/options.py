@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from policy import PolicyError
 from policy.manifests import Format
-from proxy.netaddr import decimal
+from proxy.common.listeners import decimal
 
 if TYPE_CHECKING:
     from proxy.boundary.sandbox.net import IPNetwork

@@ -9,7 +9,7 @@ Activation, in order; any failure tears down what exists and COMMAND never runs:
    `inet egress_sb_XXXXXXXX`) and addresses (net.py); /etc/netns/NAME/resolv.conf naming the
    host side as the nameserver;
 3. the namespace and the veth pair, addressed, links down;
-4. the host-side nftables rules (proxy/boundary/nft/sandbox.py), loaded, read back and
+4. the host-side nftables rules (proxy/boundary/nft/sandbox_rules.py), loaded, read back and
    compared (`apply_ruleset`); only then are the links brought up and routed;
 5. the session proxy (session_proxy.py: `egress-proxy run`) on the host side: an explicit HTTP
    listener, a transparent one for v4 and v6, the DNS responder for v4 and v6, and its admin
@@ -51,7 +51,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, TextIO
 
 from proxy.boundary.nft.load import apply_ruleset, remove_table
-from proxy.boundary.nft.sandbox import sandbox_ruleset
+from proxy.boundary.nft.sandbox_rules import sandbox_ruleset
 from proxy.boundary.sandbox import command as commands
 from proxy.boundary.sandbox import net as sandbox_net
 from proxy.boundary.sandbox import session_proxy
@@ -70,13 +70,13 @@ from proxy.boundary.sandbox.outcome import (
     interrupted,
 )
 from proxy.boundary.sandbox.preflight import Tools, find_tools
-from proxy.boundary.sandbox.trust import publish_session_trust, trust_message
-from proxy.errors import ProxyError
-from proxy.terminal import printable
+from proxy.boundary.sandbox.session_trust import publish_session_trust, trust_message
+from proxy.common.errors import ProxyError
+from proxy.common.terminal import printable
 
 if TYPE_CHECKING:
     from proxy.app.inputs import Compiled
-    from proxy.l7.trust import TrustFiles
+    from proxy.tls.bundle import TrustFiles
 
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 

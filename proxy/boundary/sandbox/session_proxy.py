@@ -21,7 +21,7 @@ from proxy.boundary.sandbox.children import parent_death_signal, without_proxy_v
 from proxy.boundary.sandbox.net import AddressPlan, SandboxError, SessionNames
 from proxy.boundary.sandbox.options import Options
 from proxy.boundary.sandbox.outcome import ActivationRefused
-from proxy.netaddr import format_listen
+from proxy.common.listeners import format_listen
 
 PROXY_STOP_TIMEOUT = 10.0
 _LOG_TAIL_LINES = 20

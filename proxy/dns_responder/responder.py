@@ -1,6 +1,6 @@
 """What the DNS responder (`egress-proxy run --dns-listen HOST:PORT`) answers: the server
-(proxy/dns/server.py, messages in proxy/dns/wire.py) only translates its messages to and from
-these values.
+(proxy/dns_responder/server.py, messages in proxy/dns_responder/wire.py) only translates its
+messages to and from these values.
 
     responder = DnsResponder(vetter, metrics)
     answer = await responder.answer(DnsQuery(QUERY, (DnsQuestion("pypi.org", A, IN),)), peer)
@@ -50,7 +50,7 @@ import dns.rdatatype
 from policy import PolicyError
 from policy.hostnames import normalize_host
 from policy.reasons import Reason
-from proxy.reasons import Refused, shown
+from proxy.common.refusals import Refused, shown
 
 if TYPE_CHECKING:
     from proxy.decide.attribution import Attribution
@@ -79,7 +79,7 @@ REFUSED = dns.rcode.REFUSED
 ANSWER_TTL = 30
 # A UDP answer larger than this is sent truncated (TC, no records), and the client asks again
 # over TCP: the classic limit, for a query without an EDNS record (one with it offers its own
-# payload size, which proxy/dns/wire.py caps).
+# payload size, which proxy/dns_responder/wire.py caps).
 UDP_ANSWER_LIMIT = 512
 
 _FAMILY: dict[int, int] = {A: 4, AAAA: 6}

@@ -25,14 +25,14 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from policy.reasons import Reason
 from proxy.decide.vetting import Peer, next_connection_id
-from proxy.dns.wire import HEADER, MAX_QUERY, TCP_ANSWER_LIMIT
+from proxy.dns_responder.wire import HEADER, MAX_QUERY, TCP_ANSWER_LIMIT
 
 if TYPE_CHECKING:
     from collections.abc import Coroutine
 
     import dns.message
 
-    from proxy.dns.answers import DnsQuery, DnsResponder
+    from proxy.dns_responder.responder import DnsQuery, DnsResponder
 
 _LENGTH = struct.Struct("!H")
 # Answers a client has not read yet, beyond which we stop reading its queries.
@@ -54,7 +54,7 @@ class Limits(Protocol):
 
 
 class Server(Protocol):
-    """What a connection needs of its server (proxy.dns.server.DnsServer)."""
+    """What a connection needs of its server (proxy.dns_responder.server.DnsServer)."""
 
     @property
     def limits(self) -> Limits: ...

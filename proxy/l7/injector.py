@@ -1,4 +1,4 @@
-"""Credential injection inside interception: the engine's side of proxy/decide/credentials.py,
+"""Credential injection inside interception: the engine's side of proxy/decide/injection.py,
 on mitmproxy's request, whatever HTTP version it came in (HTTP/1.1 or HTTP/2: its header
 fields are the same list; HTTP/2's names are lowercase).
 
@@ -16,13 +16,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from proxy.decide.credentials import counted, inject
+from proxy.decide.injection import counted, inject
 
 if TYPE_CHECKING:
     from mitmproxy import http
 
+    from proxy.common.settings import Credential
     from proxy.decide.events import MetricsSink
-    from proxy.settings import Credential
 
 
 class CredentialInjector:

@@ -14,7 +14,7 @@ from proxy.boundary.nft.chains import (
     port_set,
     render,
 )
-from proxy.errors import ProxyError
+from proxy.common.errors import ProxyError
 
 _INTERFACE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,15}")
 

@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING
 from mitmproxy import http
 
 from policy.reasons import Reason
+from proxy.common.refusals import Refused, authority, refusal_parts, shown
 from proxy.decide.http_checks import WEBSOCKET, parse_host_field
 from proxy.decide.http_checks import check_host as check_host_fields
 from proxy.decide.http_checks import check_upgrade as check_upgrade_fields
 from proxy.decide.http_checks import upgrade_tokens as tokens_of
-from proxy.reasons import Refused, authority, refusal_parts, shown
 
 if TYPE_CHECKING:
     from proxy.decide.interception import Destination

@@ -63,7 +63,7 @@ class Limits:
 
 
 class Secret:
-    """A credential's value (proxy/app/credentials.py reads it): bytes that never print, so a
+    """A credential's value (proxy/app/credentials_config.py reads it): bytes that never print, so a
     Config in a log line, a traceback or a repr shows that there is one and nothing of it."""
 
     __slots__ = ("_value",)
@@ -82,7 +82,7 @@ class Secret:
 
 @dataclass(frozen=True, slots=True)
 class Credential:
-    """One entry of the operator's `credentials` (proxy/app/credentials.py): the header put
+    """One entry of the operator's `credentials` (proxy/app/credentials_config.py): the header put
     into requests to `host` alone, valued `template` with the secret in place of `{value}`."""
 
     name: str  # in audit lines and metrics
@@ -121,7 +121,7 @@ class Config:
     tls_ech: str = ECH_ALLOW  # one of ECH_MODES; a reload changes it for later tunnels
     learn: str = LEARN_ALLOW  # one of LEARN_MODES
     ask: str = ASK_ALLOW  # one of ASK_MODES
-    # Where the session's trust bundle and CA certificate are published (proxy/l7/trust.py);
+    # Where the session's trust bundle and CA certificate are published (proxy/tls/bundle.py);
     # None: beside the CA, once the CA is loaded. Set, the CA is loaded at start.
     trust_dir: str | None = None
     # The operator's `credentials`, each with its secret once read (Credential.secret).

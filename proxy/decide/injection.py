@@ -1,6 +1,6 @@
 """Credential injection, the part both planes share: which of the operator's credentials a
 request gets, and its header fields with them in. Pure functions of values; no mitmproxy, no
-I/O (the interception engine's adapter is proxy/l7/credentials.py, the plain-HTTP plane calls
+I/O (the interception engine's adapter is proxy/l7/injector.py, the plain-HTTP plane calls
 `inject` where it rebuilds the request head).
 
     fields, applied = inject(credentials, "api.github.com", fields, plain_http=False)
@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
+    from proxy.common.settings import Credential
     from proxy.decide.events import MetricsSink
-    from proxy.settings import Credential
 
 type Fields = list[tuple[bytes, bytes]]  # (name as sent, value), in order
 

@@ -17,8 +17,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TypeGuard
 
-from proxy.errors import ProxyError
-from proxy.terminal import one_line
+from proxy.common.errors import ProxyError
+from proxy.common.terminal import one_line
 
 SCHEMES = ("http", "socks5", "transparent")
 

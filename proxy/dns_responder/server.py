@@ -1,6 +1,7 @@
 """The DNS responder's server (`egress-proxy run --dns-listen HOST:PORT`): UDP and TCP on one port
 per listener, on asyncio transports and protocols (any event loop), messages read and written
-with dnspython (proxy/dns/wire.py), every query decided by DnsResponder (proxy/dns/answers.py).
+with dnspython (proxy/dns_responder/wire.py), every query decided by DnsResponder
+(proxy/dns_responder/responder.py).
 
     server = DnsServer(responder, ServerLimits(header_timeout=10, idle_timeout=600))
     bound = await server.start([Listener("dns", "127.0.0.1", 0)])   # all or none
@@ -15,11 +16,11 @@ Bounds, each a refusal with an audit line when reached (reason, and how it shows
   of the one idle the longest (then of the one stuck the longest in a message), so idle clients
   cannot starve the others; when every connection has a query in flight it is refused
   (`overload`).
-- TCP (proxy/dns/tcp.py): up to `max_pipelined` queries in flight per connection, answered as
-  each is decided (their ids tell them apart); a message must arrive whole within
+- TCP (proxy/dns_responder/tcp_listener.py): up to `max_pipelined` queries in flight per connection,
+  answered as each is decided (their ids tell them apart); a message must arrive whole within
   `header_timeout` of its first byte (`header_timeout`); a connection with nothing in flight is
-  closed after `idle_timeout`; a length prefix over MAX_QUERY, a message shorter than a header,
-  or a response closes it.
+  closed after `idle_timeout`; a length prefix over MAX_QUERY, a message shorter than a header, or a
+  response closes it.
 - UDP: nothing is kept per client, so a client that reuses its socket is always answered. A
   datagram from one of this server's own addresses (every address of a wildcard bind) is never
   answered (`proxy_loop`): an answer sent there would be a message to ourselves.
@@ -39,12 +40,12 @@ from typing import TYPE_CHECKING, Any, cast
 import dns.message
 
 from policy.reasons import Reason
+from proxy.common.errors import ProxyError
+from proxy.common.listeners import Listener, own_listener
 from proxy.decide.vetting import Peer, next_connection_id
-from proxy.dns.answers import FORMERR, DnsQuery, DnsResponder
-from proxy.dns.tcp import TcpConnection
-from proxy.dns.wire import Unanswerable, read_query, render, udp_limit
-from proxy.errors import ProxyError
-from proxy.netaddr import Listener, own_listener
+from proxy.dns_responder.responder import FORMERR, DnsQuery, DnsResponder
+from proxy.dns_responder.tcp_listener import TcpConnection
+from proxy.dns_responder.wire import Unanswerable, read_query, render, udp_limit
 
 if TYPE_CHECKING:
     from policy import Policy

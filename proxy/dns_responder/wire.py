@@ -1,6 +1,6 @@
 """DNS messages of the responder in wire form, read and written with dnspython: a query's bytes
-into the `DnsQuery` that proxy/dns/answers.py decides, and its `DnsAnswer` back into the bytes of
-a response.
+into the `DnsQuery` that proxy/dns_responder/responder.py decides, and its `DnsAnswer` back
+into the bytes of a response.
 
     try:
         message, query = read_query(data)
@@ -29,7 +29,7 @@ import dns.rdataclass
 import dns.rrset
 
 from policy.reasons import Reason
-from proxy.dns.answers import (
+from proxy.dns_responder.responder import (
     FORMERR,
     NOERROR,
     SERVFAIL,

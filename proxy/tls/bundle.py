@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from proxy.errors import ProxyError
+from proxy.common.errors import ProxyError
 
 if TYPE_CHECKING:
-    from proxy.l7.ca import CertificateAuthority
+    from proxy.tls.ca import CertificateAuthority
 
 BUNDLE_NAME = "trust-bundle.pem"
 CA_NAME = "session-ca.pem"

@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any, Final
 
 from policy.findings import Finding, describe_type, quote
 from policy.hostnames import check_entry
-from proxy.decide.credentials import VALUE
-from proxy.errors import ProxyError
-from proxy.settings import Config, Credential
+from proxy.common.errors import ProxyError
+from proxy.common.settings import Config, Credential
+from proxy.decide.injection import VALUE
 
 if TYPE_CHECKING:
     from policy import Policy
@@ -66,7 +66,7 @@ _OWNED: Final = frozenset(
 )
 # What the sandbox sets in COMMAND's environment itself (proxy/boundary/sandbox/command.py and
 # children.py, which this layer may not import: tests/test_credentials_config.py checks the two
-# agree); with the trust variables (proxy/l7/trust.py), what a credential's `env` may not be.
+# agree); with the trust variables (proxy/tls/bundle.py), what a credential's `env` may not be.
 SANDBOX_VARIABLES: Final = frozenset(
     {
         "HTTP_PROXY",
@@ -91,7 +91,7 @@ SANDBOX_VARIABLES: Final = frozenset(
 def reserved_variables() -> frozenset[str]:
     """Every variable the sandbox sets for COMMAND itself."""
     # Imported here: the trust module is not needed to read a config without credentials.
-    from proxy.l7.trust import TRUST_VARIABLES
+    from proxy.tls.bundle import TRUST_VARIABLES
 
     return SANDBOX_VARIABLES | {name for name, _, _ in TRUST_VARIABLES}
 

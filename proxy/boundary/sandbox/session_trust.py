@@ -1,7 +1,7 @@
 """COMMAND's trust of the inspection CA: a directory of its own for the session (the CA
 directory is root's, often under /root, which COMMAND's user cannot enter), holding the bundle
 of the system's roots plus the session CA and the CA's certificate, 0644 in a 0755 directory,
-and the variables that point common tools at them (proxy/l7/trust.py). Only for a session that
+and the variables that point common tools at them (proxy/tls/bundle.py). Only for a session that
 can intercept (the manifest, fixed for the session, has a rule that decides paths, or
 `inspection.mode: all`): the CA is created here when there is none, before the proxy starts, so
 the proxy loads this very one."""
@@ -16,8 +16,8 @@ from proxy.decide.interception import engine_needed
 
 if TYPE_CHECKING:
     from policy import Policy
-    from proxy.l7.trust import TrustFiles
-    from proxy.settings import Config
+    from proxy.common.settings import Config
+    from proxy.tls.bundle import TrustFiles
 
 
 def publish_session_trust(policy: Policy, config: Config, suffix: str) -> TrustFiles | None:
@@ -27,8 +27,8 @@ def publish_session_trust(policy: Policy, config: Config, suffix: str) -> TrustF
     if not engine_needed(policy, config):
         return None
     # Imported here: cryptography's CA code, only for a session that may intercept.
-    from proxy.l7.ca import ensure_ca
-    from proxy.l7.trust import publish
+    from proxy.tls.bundle import publish
+    from proxy.tls.ca import ensure_ca
 
     ca = ensure_ca(config.ca_dir)
     directory = Path(tempfile.mkdtemp(prefix=f"egress-sb-{suffix}-trust-"))
