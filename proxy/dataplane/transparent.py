@@ -93,13 +93,13 @@ class Transparent(Connection):
         if kind == FirstFlight.HTTP and self.counter.down:
             kind = FirstFlight.TCP  # the server spoke first: no HTTP exchange begins like that
         if not is_opaque(kind):
-            streams.drop(dialled)
             self.attribution = self.attributed = None
             self.protocol = "tls"
             if kind == FirstFlight.HTTP:
+                streams.drop(dialled)
                 self.plain_http()
             else:
-                await self._tls()
+                await self._tls(dialled)
             return
         await self._opaque(kind, dialled)
 
@@ -151,9 +151,17 @@ class Transparent(Connection):
                 return
         await streams.opaque(self, kind, vetted, self.port, dialled)
 
-    async def _tls(self) -> None:
-        """The ClientHello read whole (the header timer bounds it), its SNI naming the host."""
-        outcome = await self._hello()
+    async def _tls(self, early: tunnel.Dialled | None = None) -> None:
+        """The ClientHello read whole (the header timer bounds it), its SNI naming the host.
+        `early`: the upstream dialled before the client spoke (an attributed address), used
+        if it is a checked address of the SNI's host, else closed."""
+        try:
+            outcome = await self._hello()
+        except BaseException:
+            streams.drop(early)
+            raise
+        if outcome is None or outcome.refused is not None:
+            streams.drop(early)
         if outcome is None:
             return
         self.ech = outcome.ech
@@ -172,9 +180,10 @@ class Transparent(Connection):
         target = authority(host, self.port)
         decision = self.door.vetter.decide(target)
         if intercepted(decision, self.door.config):
+            streams.drop(early)
             await self._intercept(target, self.port, decision)
             return
-        await self._tunnel(target, self.port, decision)
+        await self._tunnel(target, self.port, decision, early)
 
     async def _hello(self) -> GateOutcome | None:
         """The gate's outcome on the whole ClientHello; None when the client ended first."""
@@ -212,12 +221,28 @@ class Transparent(Connection):
         )  # fmt: skip
         await self.door.intercept(self)
 
-    async def _tunnel(self, target: str, port: int, decision: Decision) -> None:
+    async def _tunnel(
+        self, target: str, port: int, decision: Decision, early: tunnel.Dialled | None
+    ) -> None:
         try:
-            dialled = await tunnel.dial(self, target, port, decision, sni=self.sni, ech=self.ech)
+            vetted = await tunnel.vet(self, target, port, decision, sni=self.sni, ech=self.ech)
+            if early is not None and early.address in vetted.pinned and not early.upstream.lost:
+                # The connection dialled before the client spoke goes to a checked address of
+                # the SNI's host: it is that dial, not a second one.
+                dialled = tunnel.Dialled(vetted.decision.host, early.transport, early.upstream,
+                                         vetted, early.address)  # fmt: skip
+                early.upstream.sink = None  # held again until the relay takes it
+                early = None
+            else:
+                streams.drop(early)
+                dialled = await tunnel.dial_vetted(self, vetted, port, sni=self.sni, ech=self.ech)
         except Refused as refused:
+            streams.drop(early)
             self.refuse(refused, None, port, stage="", record=False)
             return
+        except BaseException:
+            streams.drop(early)
+            raise
         self.door.vetter.allowed(
             self.peer, self.protocol, stage="sni", vetted=dialled.vetted, port=port, sni=self.sni,
             ech=self.ech, **self.attribution_context(),

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from policy.reasons import Reason
 from proxy.common.refusals import Refused, authority
+from proxy.decide.attribution import canonical_address
 from proxy.decide.first_flight import FirstFlight
 from proxy.decide.sni_gate import GateOutcome, check_hello
 from proxy.net.dialing import Upstream, UpstreamError, connect_upstream, dial_checked
@@ -38,6 +39,7 @@ class Dialled:
     transport: asyncio.Transport
     upstream: Upstream
     vetted: Vetted
+    address: str  # the checked address connected to
 
 
 def _with_attribution(connection: Connection, context: dict[str, Any]) -> dict[str, Any]:
@@ -177,7 +179,7 @@ async def dial_vetted(connection: Connection, vetted: Vetted, port: int, **conte
         raise refused from None
     address = transport.get_extra_info("peername")
     connection.upstream = authority(address[0], address[1])
-    return Dialled(name, transport, upstream, vetted)
+    return Dialled(name, transport, upstream, vetted, canonical_address(address[0]) or address[0])
 
 
 async def gate(connection: Connection, name: str, port: int, vetted: Vetted, *, what: str) -> bool:
