@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench-policy bench bench-quick bench-deps clean
+.PHONY: run test lint docs bench-policy bench bench-quick bench-deps clean
 
 CREATED := $(VENV)/.created
 
@@ -34,6 +34,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check policy proxy tests benchmarks
 	$(VENV)/bin/ruff format --check policy proxy tests benchmarks
 	$(VENV)/bin/mypy
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir build/site
+
+# The documentation site (docs/, mkdocs.yml), served at http://127.0.0.1:8000 as it is edited.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
 
 bench-policy: $(STAMP)
 	$(PY) benchmarks/policy_decide.py

@@ -1,4 +1,5 @@
-"""Is an IP address a public destination? The address half of DESIGN.md section 3, rule 4.
+"""Is an IP address a public destination? The address half of the runtime
+rules (docs/manifests.md).
 
 Every resolved address passes through `classify` before the proxy connects to it, so the
 lookup is a handful of dict probes (one per distinct prefix length, longest first) rather than

@@ -1,6 +1,6 @@
-"""The one change that would allow a refused destination (DESIGN 5: every message names the
-host, the reason and the manifest change that would allow it), worded in the manifest's own
-grammar so that an agent (or its author) can act on one line:
+"""The one change that would allow a refused destination (every message names the host,
+the reason and the manifest change that would allow it: docs/observability.md), worded in
+the manifest's own grammar so that an agent (or its author) can act on one line:
 
     remedy(Reason.NOT_ALLOWED, "denied.test", manifest_format="agent.yaml")
     # "add 'denied.test' to network.egress"

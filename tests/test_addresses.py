@@ -1,4 +1,4 @@
-"""The address table and classifier (DESIGN.md section 3, rule 4)."""
+"""The address table and classifier (docs/manifests.md, "Runtime rules")."""
 
 from __future__ import annotations
 

@@ -375,7 +375,7 @@ async def test_denied_connect_is_403_never_resolved_nor_dialled(
         assert "x-egress-error" not in headers
         assert body.count(b"\n") == 1 and reason.encode() in body
         if target == "denied.test":
-            # The line ends with the change that would allow it (DESIGN 5).
+            # The line ends with the change that would allow it (policy/remedies.py).
             remedy = "add 'denied.test' to network.egress"
             assert body == f"egress-proxy: {authority} denied: {reason}: {remedy}\n".encode()
         (close,) = await door.wait_closes(1)

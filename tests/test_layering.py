@@ -1,7 +1,7 @@
-"""The tree's layering (DESIGN 1), read from the source: every import of every module in policy/
-and proxy/ (also those inside functions and under TYPE_CHECKING) goes to its own layer or one
-below, never up; the planes never import each other; only the interception package imports
-mitmproxy; and no two modules import each other, directly or round a longer loop."""
+"""The tree's layering (docs/architecture.md), read from the source: every import of every
+module in policy/ and proxy/ (also those inside functions and under TYPE_CHECKING) goes to its
+own layer or one below, never up; the planes never import each other; only the interception
+package imports mitmproxy; and no two modules import each other, directly or round a longer loop."""
 
 from __future__ import annotations
 

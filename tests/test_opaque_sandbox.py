@@ -1,4 +1,4 @@
-"""Every TCP protocol inside `egress-proxy sandbox` (issue 18, DESIGN.md 5b; root only): OpenSSH,
+"""Every TCP protocol inside `egress-proxy sandbox` (issue 18, root only): OpenSSH,
 `git clone ssh://`, psql and redis-cli by name with no proxy settings, so each connection takes
 the transparent redirect, carries no SNI and no Host, and is attributed to a name by the
 session's DNS answers (`"attribution": "dns"`). An address the session never got from its DNS

@@ -1,4 +1,4 @@
-"""Every TCP protocol through the explicit listeners (issue 18, DESIGN.md 5b): real clients
+"""Every TCP protocol through the explicit listeners (issue 18, docs/protocols.md): real clients
 against real servers through `egress-proxy run`'s HTTP CONNECT and SOCKS5 listeners. OpenSSH's
 `ssh` and `git clone ssh://` with a ProxyCommand (socat for CONNECT, OpenBSD netcat for
 SOCKS5), psql, redis-cli and smtplib through a local forwarder that opens the tunnel (they have

@@ -1,5 +1,5 @@
 """Issue 13: every refusal names the host, the reason and the one change that would allow it,
-in the manifest's own grammar, on one printable line an agent can act on (DESIGN 5).
+in the manifest's own grammar, on one printable line an agent can act on (policy/remedies.py).
 
 The remedy per reason is a pure function of the policy (policy/remedies.py, `Policy.remedy`);
 the running proxy writes it as the last part of every HTTP refusal's body, while

@@ -555,8 +555,9 @@ def _asks(limits: Limits, audit: AuditLog | None, metrics: Metrics) -> Asks:
 
 
 def event_loop_factory() -> tuple[Callable[[], asyncio.AbstractEventLoop], str | None]:
-    """uvloop's event loop (it spends far less CPU per connection than asyncio's own: DESIGN 1),
-    or asyncio's where uvloop cannot be imported, with the line that says so."""
+    """uvloop's event loop (it spends far less CPU per connection than asyncio's own:
+    docs/performance.md), or asyncio's where uvloop cannot be imported, with the line that
+    says so."""
     try:
         import uvloop
     except ImportError as exc:

@@ -1,8 +1,8 @@
 """The Kubernetes sidecar's boundary, `egress-proxy boundary apply|verify` (parsed in
 proxy/cli/boundary.py): the two halves of the Kubernetes sidecar's activation
-(DESIGN 6). `apply` (an init container with NET_ADMIN) loads the pod rule set and reads it back;
-`verify` (an init container running as the agent's UID, after the proxy is ready) tries every
-way out and fails the pod if one works.
+(docs/deployment.md). `apply` (an init container with NET_ADMIN) loads the pod rule set and
+reads it back; `verify` (an init container running as the agent's UID, after the proxy is
+ready) tries every way out and fails the pod if one works.
 
 Exit codes: apply 0 loaded and read back as rendered, 1 nft refused it or the read-back differed
 (the table was removed again), 2 bad input; verify 0 every probe held, 1 a bypass works (each

@@ -6,7 +6,7 @@ Proxy listeners as `--listen` writes them: `HOST:PORT` (an HTTP proxy), `http://
 `socks5://HOST:PORT` or `transparent://HOST:PORT`; and the DNS listeners of `--dns-listen
 HOST:PORT`. Several may be given; each serves the same policy. `own_listener` says whether an
 address and port reach one of them (every address of a wildcard bind included): the proxy's own
-listeners are never a destination (DESIGN 3.10)."""
+listeners are never a destination (`proxy_loop`)."""
 
 from __future__ import annotations
 

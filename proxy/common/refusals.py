@@ -1,6 +1,6 @@
 """What both planes (the L4 fast path and the L7 engine) answer when they refuse: the `Refused`
 exception that carries a reason code (a `Reason`, policy/reasons.py: the one catalog) through a
-decision, and the one-line HTTP answer (DESIGN 3.6) in bytes. No mitmproxy here: the fast path
+decision, and the one-line HTTP answer (docs/commands.md) in bytes. No mitmproxy here: the fast path
 must not import it.
 
     raise Refused(403, Reason.SNI_MISMATCH, "SNI 'a.test' is not the CONNECT host 'b.test'")
@@ -87,7 +87,7 @@ def refusal_parts(
 ) -> tuple[dict[str, str], bytes]:
     """The headers and body of a refusal: `X-Egress-Denied` (or `X-Egress-Error` for upstream
     and DNS errors) with the bare reason code, and one line naming host and reason and, when
-    there is one, the change that would allow it (DESIGN 5), for an agent to act on:
+    there is one, the change that would allow it (policy/remedies.py), for an agent to act on:
     `egress-proxy: denied.test:443 denied: not_allowed: add 'denied.test' to network.egress`.
     Never 407."""
     where = shown(host if port is None else authority(host, port))

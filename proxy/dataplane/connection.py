@@ -301,7 +301,7 @@ class Connection(asyncio.Protocol):
             self.transport.close()
 
     def failed(self, exc: BaseException) -> None:
-        """Fail closed (DESIGN 3.7): whatever went wrong, the connection is denied here."""
+        """Fail closed: whatever went wrong, the connection is denied here."""
         if isinstance(exc, OSError):
             logger.debug("egress: client connection ended: %s", exc)
             self.reason = Reason.RESET

@@ -24,7 +24,7 @@ before the reply) 0x01. A name that is an IP address in any spelling is 0x02 (`i
 ATYP 3 carries names, an address goes as ATYP 1 or 4, where the policy decides it as one.
 A client pipelining its request right behind a greeting that offered 0x00 is served.
 
-Refusals speak SOCKS5 (DESIGN 5). Before the method is chosen no SOCKS5 answer exists that a
+Refusals speak SOCKS5. Before the method is chosen no SOCKS5 answer exists that a
 client could not misread (a bare `05 FF` would read as "authentication needed"), so anything
 refused then (SOCKS4, HTTP or TLS on this listener, overload, a timeout) is closed without a
 byte; its decision line says what arrived.

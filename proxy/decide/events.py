@@ -1,5 +1,5 @@
 """What the planes report, as values: one `DecisionEvent` per decision and one `CloseEvent` per
-connection close, each with its audit line (`line`: the schema of DESIGN 5). And the two
+connection close, each with its audit line (`line`, described on docs/observability.md). And the
 sinks the planes report to, as protocols: the operations layer (proxy/ops/) implements them, so
 the planes never import it.
 

@@ -350,8 +350,8 @@ class Vetter:
                 if self.metrics is not None:
                     self.metrics.dns_lookup(time.monotonic() - started, exc.reason)
                 if exc.reason != Reason.DNS_NO_ADDRESS:
-                    # Every DNS failure, a timeout included, is a 502 (DESIGN 3.6); 504 is kept
-                    # for an upstream that does not answer the connect.
+                    # Every DNS failure, a timeout included, is a 502 (docs/commands.md); 504 is
+                    # kept for an upstream that does not answer the connect.
                     refused = Refused(502, exc.reason, exc.message, error=True)
                     self.refusal(refused, peer, host, port, protocol, stage="dns", **named)
                     raise refused from None

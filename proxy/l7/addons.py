@@ -15,7 +15,7 @@ answers back into mitmproxy's terms (a response, a refused dial, a killed flow).
   and is offered only the HTTP versions the client offered (h2 only to an h2 client).
   Upstream failures and failed upstream handshakes get their audit lines.
 
-Fail closed (DESIGN 3.7): mitmproxy only logs an exception raised in a hook and carries on, so
+Fail closed: mitmproxy only logs an exception raised in a hook and carries on, so
 every hook is wrapped by `fail_closed`, which denies in the hook's own terms.
 """
 
@@ -63,8 +63,8 @@ HTTPS = "https"  # the audit protocol of a request inside interception
 # What our dial and our refusals put in a server connection's error (mitmproxy hands only the
 # text on): the reason code, then the message.
 _OURS = re.compile(r"egress-proxy: ([a-z_]+): ")
-# Bodies above this many bytes are streamed, not buffered (DESIGN 4); smaller ones are buffered
-# whole, cheaper per request and bounded by this size.
+# Bodies above this many bytes are streamed, not buffered (docs/limits.md); smaller ones are
+# buffered whole, cheaper per request and bounded by this size.
 STREAM_LARGE_BODIES = "64k"
 STREAM_THRESHOLD = 64 * 1024
 _UPGRADE_URL = "egress-proxy.upgrade"  # flow.metadata: the URL a WebSocket upgrade decided

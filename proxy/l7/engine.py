@@ -12,7 +12,7 @@ door hands it, each from the TLS layer on with its destination decided.
 The engine listens on nothing. A connection reaches it only through `intercept`, after the
 front door decided its name, vetted its addresses, passed its SNI gate and answered the
 client's proxy protocol (a CONNECT's 200, a SOCKS5 reply; nothing on a transparent listener).
-Then (DESIGN 3): our CA's certificate to the client (proxy/tls/ca.py); HTTP/1.1 inside, or HTTP/2
+Then: our CA's certificate to the client (proxy/tls/ca.py); HTTP/1.1 inside, or HTTP/2
 to a client that offers it (ALPN h2); each request (each HTTP/2 stream) decided on its own, its
 Host or :authority naming the connection's host (the SNI's), a CONNECT and every upgrade but
 WebSocket refused (proxy/l7/addons.py, rules.py); the dial pinned to checked addresses, with the

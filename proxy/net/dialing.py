@@ -1,4 +1,4 @@
-"""Dialling the checked addresses of one decision, for every plane (DESIGN 3.5): in answer
+"""Dialling the checked addresses of one decision, for every plane: in answer
 order, each with the connect timeout, falling back to the next on failure; never a fresh
 resolution. How one address is connected is the caller's (`connect`): a transport with an
 `Upstream` protocol in the data plane (`connect_upstream`), asyncio streams in the engine.

@@ -5,7 +5,7 @@ Why our own resolver: the OS resolver (`getaddrinfo`) accepts IP literals in len
 applies search domains and reads /etc/hosts, so a name could reach an address the policy never
 saw. Here every nameserver is an IP address (proxy/net/resolver_query.py connects to it directly,
 nothing is handed to the OS), the name is queried as an absolute name, and the answer returned is
-the one the caller checks and pins (DESIGN 3.3, 3.5).
+the one the caller checks and pins (docs/manifests.md, "Runtime rules").
 
 A lookup asks each nameserver in turn, both families in one exchange: an attempt gets half the
 timeout, a nameserver that fails (SERVFAIL, REFUSED, an ICMP error) is not asked that family

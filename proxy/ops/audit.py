@@ -1,4 +1,5 @@
-"""The audit log: JSON lines, one per decision and one per connection close (DESIGN 5).
+"""The audit log: JSON lines, one per decision and one per connection close
+(docs/observability.md).
 
 Both planes (the L7 engine and the L4 fast path) write through `AuditLog`, so their lines have
 one schema. Every key is present on every line of its kind (null when unknown), so consumers

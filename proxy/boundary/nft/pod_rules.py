@@ -1,6 +1,6 @@
 """The nftables rule set of a pod's shared network namespace (the Kubernetes sidecar shape,
-DESIGN 6): every connection of the agent goes through the session proxy, which runs in the same
-namespace under its own UID.
+docs/deployment.md): every connection of the agent goes through the session proxy, which runs
+in the same namespace under its own UID.
 
 What the rules say (table `inet egress_boundary`, IPv4 and IPv6 alike):
 - the proxy's UID (`meta skuid`) is exempt: it is the one way out;

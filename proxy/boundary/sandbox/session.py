@@ -1,6 +1,6 @@
-"""`egress-proxy sandbox MANIFEST [options] -- COMMAND [ARGS...]`: the one-machine shape of
-DESIGN 6. COMMAND runs in a network namespace of its own whose only way out is the session
-proxy, and only after that has been shown to hold.
+"""`egress-proxy sandbox MANIFEST [options] -- COMMAND [ARGS...]`: the one-machine shape
+(docs/deployment.md). COMMAND runs in a network namespace of its own whose only way out is
+the session proxy, and only after that has been shown to hold.
 
 Activation, in order; any failure tears down what exists and COMMAND never runs:
 1. preflight (preflight.py): capabilities, tools, the user to run as, the policy compiled
