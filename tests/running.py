@@ -111,6 +111,18 @@ def listening(port: int, host: str = LOOPBACK) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
+def recv_head(sock: socket.socket, limit: int = 65536, size: int = 4096) -> bytes:
+    """What `sock` sends (`size` bytes a read) until a blank line ends a head, or it closes, or
+    `limit` bytes came; the socket's own timeout bounds each read."""
+    data = b""
+    while b"\r\n\r\n" not in data and len(data) < limit:
+        chunk = sock.recv(size)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
 def wait_for(predicate: Callable[[], object], timeout: float = 10.0, what: str = "") -> None:
     """Poll `predicate` until it is true; AssertionError after `timeout` seconds."""
     deadline = time.monotonic() + timeout

@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 
 from proxy.common.errors import ProxyError
 from proxy.common.listeners import format_listen, parse_listen
+from proxy.decide.asks import AskLimits, Asks
 from proxy.ops.admin import MAX_HEAD_BYTES, AdminServer
 from proxy.ops.readiness import Readiness
 
@@ -335,30 +336,69 @@ async def test_overall_connection_limit() -> None:
         await admin.server.stop()
 
 
+async def closed_by_server(reader: asyncio.StreamReader) -> bool:
+    """Whether the server closed this connection (within 2 s) without answering."""
+    async with asyncio.timeout(2):
+        with contextlib.suppress(ConnectionResetError):
+            return await reader.read() == b""
+    return True
+
+
 @pytest.mark.asyncio
-async def test_connection_limit_closes_extra_connections() -> None:
-    admin = await started(max_connections=2)
+async def test_connection_limit_sheds_the_oldest_idle_connection() -> None:
+    admin = await started(max_connections=2, header_timeout=30, connection_timeout=60)
     try:
         idle = [await asyncio.open_connection(admin.host, admin.port) for _ in range(2)]
+        idle[1][1].write(b"GET /heal")  # half a head: still owed nothing
         async with asyncio.timeout(2):
             while admin.server.active_connections < 2:
                 await asyncio.sleep(0.01)
-        reader, writer = await asyncio.open_connection(admin.host, admin.port)
-        async with asyncio.timeout(2):
-            data = b""
-            with contextlib.suppress(ConnectionResetError):
-                data = await reader.read()
-        assert data == b""  # closed without an answer
-        writer.close()
-        # Once a slot frees, requests are served again.
-        idle[0][1].close()
-        async with asyncio.timeout(2):
-            while admin.server.active_connections > 1:
-                await asyncio.sleep(0.01)
+        # A request over the cap is served; the oldest silent connection made room for it.
         assert (await get(admin, "/healthz"))[0] == 200
-        idle[1][1].close()
+        assert await closed_by_server(idle[0][0])
+        # With the cap full again, the half head is now the oldest and goes next.
+        idle.append(await asyncio.open_connection(admin.host, admin.port))
+        async with asyncio.timeout(2):
+            while admin.server.active_connections < 2:
+                await asyncio.sleep(0.01)
+        assert (await get(admin, "/readyz"))[0] == 200
+        assert await closed_by_server(idle[1][0])
+        assert admin.server.active_connections >= 1  # the newest silent one is still there
+        for _, writer in idle:
+            writer.close()
     finally:
         await admin.server.stop()
+
+
+@pytest.mark.asyncio
+async def test_connection_limit_refuses_when_every_slot_is_answered() -> None:
+    asks = Asks(AskLimits(timeout=10))
+    server = AdminServer(all_ready(), fixed_metrics, asks=asks, max_connections=2)
+    host, port = await server.start("127.0.0.1", 0)
+    streams = []
+    try:
+        for _ in range(2):  # a stream is being answered for as long as it lasts
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(b"GET /asks/stream HTTP/1.1\r\n\r\n")
+            async with asyncio.timeout(2):
+                assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+            streams.append((reader, writer))
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(b"GET /healthz HTTP/1.1\r\n\r\n")
+        assert await closed_by_server(reader)  # closed without an answer
+        writer.close()
+        # Once a slot frees, requests are served again.
+        streams.pop()[1].close()
+        async with asyncio.timeout(2):
+            while server.active_connections > 1:
+                await asyncio.sleep(0.01)
+        admin = Admin(server, all_ready(), host, port)
+        assert (await get(admin, "/healthz"))[0] == 200
+    finally:
+        for _, writer in streams:
+            writer.close()
+        asks.close()
+        await server.stop()
 
 
 @pytest.mark.asyncio

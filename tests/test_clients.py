@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import trustme
 from dns_server import DNSServer, running_dns_server
-from running import OPENSSL, RunningProxy, curl, metric_value, wait_for
+from running import OPENSSL, RunningProxy, curl, metric_value, recv_head, wait_for
 
 MANIFEST = "network:\n  egress: [tls.test, other.test, refused.test]\n"
 # 127.0.0.1 only: 127.0.0.2 stays a refused loopback address.
@@ -84,12 +84,8 @@ class TLSUpstream:
                 tls = stack.enter_context(context.wrap_socket(conn, server_side=True))
                 with self._lock:
                     self.handshakes += 1
-                request = b""
-                while b"\r\n\r\n" not in request and len(request) < 65536:
-                    chunk = tls.recv(4096)
-                    if not chunk:
-                        return
-                    request += chunk
+                if b"\r\n\r\n" not in recv_head(tls):
+                    return
                 tls.sendall(
                     b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
                     % (len(TLS_BODY), TLS_BODY)

@@ -676,7 +676,7 @@ async def test_alpn_offers_are_what_the_engine_speaks(dns: DNSServer, grpc_port:
         intercepting(dns, grpc_port, upstream.port) as proxy,
     ):
         offered = []
-        for alpns in (["grpc-exp", "http/1.1"], ["http/1.1", "h2"], ["h3", "http/1.1"]):
+        for alpns in (["grpc-exp", "http/1.1"], ["http/1.1"], ["h3", "http/1.1"]):
             offered.append(await asyncio.to_thread(tls_get, proxy.port, upstream.port, alpns))
         await proxy.wait_closes(3)
     # A protocol the engine does not speak is never offered upstream, nor h2 for a client on

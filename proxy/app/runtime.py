@@ -66,6 +66,7 @@ from proxy.app.ask_token import read_or_create_token
 from proxy.app.checks import needs_restart, refuse_own_nameservers
 from proxy.app.inputs import Compiled, Inputs, compile_inputs, refuse_forbidden
 from proxy.app.messages import LEARNING, PrintableFormatter, asking, listening, try_it
+from proxy.app.open_files import raise_open_files_limit
 from proxy.common.errors import ProxyError
 from proxy.common.listeners import Listener, format_listen
 from proxy.common.settings import FORBID, Limits
@@ -184,6 +185,7 @@ class Runtime:
             # Before the admin listener: `/readyz` never answers before the token exists.
             token = read_or_create_token(self.ask_token)
         self._log_handler = self._log_to_stderr()
+        self._raise_open_files(config.limits.max_connections)
         self.metrics.set_build_info(__version__, platform.python_version())
         self.readiness.set("policy_compiled", True)
         self.readiness.learning = self.learning
@@ -265,6 +267,14 @@ class Runtime:
             return 0
         finally:
             await self._shutdown()
+
+    def _raise_open_files(self, max_connections: int) -> None:
+        # Before anything listens: a soft limit of 1024 would fail tunnels at about 500.
+        limits = raise_open_files_limit(max_connections)
+        self.metrics.open_files_limit(limits.limit)
+        warning = limits.warning()
+        if warning is not None:
+            self.say(warning)
 
     def _l4_vetter(self, resolver: Resolver) -> Vetter:
         """The front door's and the DNS responder's: each its own (a reload swaps both)."""

@@ -14,6 +14,7 @@ answers back into mitmproxy's terms (a response, a refused dial, a killed flow).
   (patches.DialingHandler dials them); the upstream's certificate is verified against the name,
   and is offered only the HTTP versions the client offered (h2 only to an h2 client).
   Upstream failures and failed upstream handshakes get their audit lines.
+- `PreferH2`: a client that offers h2 gets h2, wherever h2 stands in its list.
 
 Fail closed: mitmproxy only logs an exception raised in a hook and carries on, so
 every hook is wrapped by `fail_closed`, which denies in the hook's own terms.
@@ -443,3 +444,25 @@ class Pinning(_Hooks):
         # protocol of its own (raw TCP, passthrough): never allowed here.
         if nextlayer.layer is None:
             nextlayer.layer = CloseClient(nextlayer.context)
+
+
+class PreferH2(_Hooks):
+    """h2 for every client that offers it. Added after mitmproxy's TlsConfig, whose
+    `tls_start_client` has made the client's TLS connection by then."""
+
+    name = "egress-prefer-h2"
+
+    @fail_closed(_end_connection)
+    def tls_start_client(self, data: TlsData) -> None:
+        """Left alone, TlsConfig's ALPN callback picks the client's first HTTP offer, so a
+        client offering `http/1.1, h2` (httpx with http2=True) would get HTTP/1.1, each request
+        waiting for the one before. The callback honours a `client_alpn` in the connection's app
+        data (it mirrors an upstream's pick that way): h2 is set there when the client offers
+        it and nothing was chosen yet (patches.GUARDED holds both to this contract). The
+        upstream is still offered only what the client offered (Pinning.tls_start_server)."""
+        ssl_conn = data.ssl_conn
+        if ssl_conn is None or HTTP2_ALPN not in data.context.client.alpn_offers:
+            return
+        app_data = ssl_conn.get_app_data()
+        if app_data["client_alpn"] is None and app_data["server_alpn"] is None:
+            app_data["client_alpn"] = HTTP2_ALPN

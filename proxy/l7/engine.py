@@ -45,7 +45,7 @@ from proxy.common.refusals import Refused
 from proxy.decide.events import CloseEvent
 from proxy.decide.vetting import Vetter
 from proxy.l7 import patches
-from proxy.l7.addons import STREAM_LARGE_BODIES, Pinning, RequestGate
+from proxy.l7.addons import STREAM_LARGE_BODIES, Pinning, PreferH2, RequestGate
 from proxy.l7.injector import CredentialInjector
 from proxy.l7.modes import InterceptInstance, InterceptMode
 from proxy.l7.state import Bytes, Intercepted, Ledger
@@ -190,8 +190,9 @@ class Engine:
         opts = options.Options(confdir=str(ca.directory))
         master = Master(opts)
         limits = self.config.limits
-        # Our hooks run before mitmproxy's. No Block, Onboarding, NextLayer or DnsResolver addon:
-        # no global block page, no mitm.it, no layer chosen by mitmproxy, no name resolution.
+        # Our hooks run before mitmproxy's, but PreferH2's: it amends what TlsConfig made. No
+        # Block, Onboarding, NextLayer or DnsResolver addon: no global block page, no mitm.it, no
+        # layer chosen by mitmproxy, no name resolution.
         master.addons.add(
             RequestGate(self.vetter, self.ledger, self.credentials),
             Pinning(
@@ -202,6 +203,7 @@ class Engine:
             ),
             proxyserver.Proxyserver(),
             tlsconfig.TlsConfig(),
+            PreferH2(self.vetter, self.ledger),
         )
         # Options of addons exist only once the addons are added.
         upstream_ca = self.config.upstream_ca

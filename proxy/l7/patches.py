@@ -24,6 +24,10 @@ of mitmproxy is modified in place; no other user of it in the process is affecte
   as a request, to be refused with its reason; mitmproxy's own parser requires `:scheme` and
   `:path`, knows no `:protocol`, and ends the whole connection with a protocol error.
 
+One addon relies on a contract of mitmproxy's rather than a hook: `addons.PreferH2` forces the
+client's ALPN choice to h2 through the app data TlsConfig gives the client's TLS connection,
+which its ALPN callback honours (as it does to mirror an upstream's choice).
+
 `GUARDED` holds the sha256 of each mitmproxy function these rely on, as reviewed against
 12.3.1. `changed()` names those whose source differs; the engine refuses to start then
 (`verify`), and tests/test_patches.py fails, so that a new mitmproxy is reviewed before it runs.
@@ -40,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import h2.events
 from mitmproxy import http
+from mitmproxy.addons import tlsconfig
 from mitmproxy.connection import ConnectionState, Server
 from mitmproxy.net.http import url
 from mitmproxy.proxy import commands, events, layer, mode_servers, server, server_hooks
@@ -113,6 +118,17 @@ GUARDED: dict[str, tuple[Callable[..., Any], str]] = {
     "mitmproxy.proxy.layers.http._http2.parse_h2_request_headers": (
         _http2.parse_h2_request_headers,
         "464eb8bb2fd7cae5737c1ae85e3751d50fc4fc8f19de8f73874d7fb55589dbdf",
+    ),
+    # addons.PreferH2 sets `client_alpn` in the app data this hook gives the client's TLS
+    # connection, after it ran ...
+    "mitmproxy.addons.tlsconfig.TlsConfig.tls_start_client": (
+        tlsconfig.TlsConfig.tls_start_client,
+        "d3093c897eeafc2fb7306d53250f9159b43e94575fb0d6ea352d31f5b0eeae7b",
+    ),
+    # ... and this callback picks `client_alpn` whenever the client offers it.
+    "mitmproxy.addons.tlsconfig.alpn_select_callback": (
+        tlsconfig.alpn_select_callback,
+        "41a266755820fa3762f3c439cdae412f40518035ba1b001753f21670943730a9",
     ),
 }
 

@@ -13,8 +13,12 @@ Behaviour, hardened for clients that are slow, large or malformed:
 - request line + headers at most MAX_HEAD_BYTES and MAX_HEADERS lines, else 431;
 - the head must arrive within `header_timeout` (else 408, best effort, and close) and the whole
   connection must be over within `connection_timeout` (else it is dropped);
-- at most `max_connections` connections at once: beyond it a new connection is closed at once,
-  before anything is read, so a flood costs a socket accept and nothing more;
+- at most `max_connections` connections at once. A new connection over the cap sheds the
+  oldest one that has not sent a whole head yet (or is only lingering after its answer), so
+  clients that connect and stay silent, or trickle a head, can never keep a probe out: a
+  kubelet's `/readyz` sends its head at once and is answered. Only when every connection is
+  being answered (streams, a body being read) is the new one closed at once, before anything
+  is read;
 - a malformed request line or header → 400; an HTTP version other than 1.x → 505;
 - a request that announces a body (`Content-Length` other than 0, or any `Transfer-Encoding`)
   → 413, but for `POST /asks/ID` (below): never reading one means a client cannot make the
@@ -70,6 +74,8 @@ __all__ = ["AdminServer"]
 logger = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 8192
+# Admin connections at once, by default: probes and scrapes are few and short.
+MAX_CONNECTIONS = 64
 MAX_HEADERS = 100
 # After the response, how long and how much we keep reading (and discarding) so the client sees
 # the response rather than a TCP reset caused by its unread bytes (RFC 9112 9.6 "lingering").
@@ -189,6 +195,15 @@ def _decision(body: bytes) -> str | None:
     return decision if isinstance(decision, str) and decision in ANSWERS else None
 
 
+@dataclass(slots=True)
+class _Live:
+    """One admin connection. `sheddable` while shedding it loses nothing a client is owed: no
+    whole head has come yet, or the answer is sent and only the lingering read is left."""
+
+    writer: asyncio.StreamWriter
+    sheddable: bool = True
+
+
 class _HeadTooLarge(Exception):
     pass
 
@@ -248,7 +263,7 @@ class AdminServer:
         asks: Asks | None = None,
         token: str | None = None,
         header_timeout: float = 5.0,
-        max_connections: int = 64,
+        max_connections: int = MAX_CONNECTIONS,
         connection_timeout: float = 10.0,
     ) -> None:
         if header_timeout <= 0 or connection_timeout <= 0:
@@ -267,7 +282,8 @@ class AdminServer:
         self._max_connections = max_connections
         self._server: asyncio.Server | None = None
         self._address: tuple[str, int] | None = None
-        self._live: dict[asyncio.Task[Any], asyncio.StreamWriter] = {}
+        # Oldest first (dicts keep insertion order): the order in which connections are shed.
+        self._live: dict[asyncio.Task[Any], _Live] = {}
         self._stopping = False
 
     @property
@@ -315,9 +331,9 @@ class AdminServer:
         if server is not None:
             server.close()
         tasks = list(self._live)
-        for task, writer in list(self._live.items()):
+        for task, live in list(self._live.items()):
             # abort, not close: close would wait to flush to a client that may never read.
-            writer.transport.abort()
+            live.writer.transport.abort()
             task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=STOP_GRACE_SECONDS)
@@ -329,20 +345,31 @@ class AdminServer:
 
     # ---- per connection
 
+    def _shed_oldest(self) -> bool:
+        """Drop the oldest connection that is owed nothing; False when every one is."""
+        oldest = next((task for task, live in self._live.items() if live.sheddable), None)
+        if oldest is None:
+            return False
+        self._live.pop(oldest).writer.transport.abort()
+        oldest.cancel()
+        return True
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._stopping or len(self._live) >= self._max_connections:
-            # Over the cap: close before reading anything, so a flood costs nothing more.
+        # Refusing the newest at the cap would let a few hundred silent sockets keep every probe
+        # out (a kubelet would restart a healthy proxy); the oldest idle one goes instead.
+        if self._stopping or (len(self._live) >= self._max_connections and not self._shed_oldest()):
+            # Every slot is being answered: close before reading anything.
             writer.transport.abort()
             return
         task = asyncio.current_task()
         assert task is not None
-        self._live[task] = writer
+        live = self._live[task] = _Live(writer)
         # High-water mark 0: drain() returns only once everything is handed to the kernel, so
         # no response bytes stay queued in the transport after the handler ends.
         writer.transport.set_write_buffer_limits(high=0)
         try:
             async with asyncio.timeout(self._connection_timeout) as limit:
-                await self._serve(reader, writer, limit)
+                await self._serve(reader, live, limit)
         except (TimeoutError, ConnectionError, OSError):
             pass  # the overall limit, or the client went away: nothing left to tell it
         except Exception:
@@ -355,8 +382,9 @@ class AdminServer:
                 writer.close()
 
     async def _serve(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, limit: asyncio.Timeout
+        self, reader: asyncio.StreamReader, live: _Live, limit: asyncio.Timeout
     ) -> None:
+        writer = live.writer
         try:
             async with asyncio.timeout(self._header_timeout):
                 read = await _read_head(reader)
@@ -374,6 +402,7 @@ class AdminServer:
         else:
             if read is None:
                 return
+            live.sheddable = False
             head, early = read
             parsed = self._parse(head)
             if isinstance(parsed, _Response):
@@ -389,6 +418,7 @@ class AdminServer:
                 response.head_only = parsed.method == b"HEAD"
         writer.write(response.encode())
         await writer.drain()
+        live.sheddable = True
         await self._linger(reader, writer)
 
     async def _linger(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -263,6 +263,7 @@ class Metrics:
         self._decision_labels: dict[tuple[Any, ...], tuple[str, ...]] = {}
         self._engine = 0
         self._learn = 0
+        self._open_files: float | None = None
         self._reload_success_time: float | None = None
         self._build: tuple[str, str] | None = None
         # Series that exist from the start, so rate() and alerts see a 0 instead of no data.
@@ -354,6 +355,10 @@ class Metrics:
         """Whether learning mode lets refusals through (`egress_learn_mode`)."""
         self._learn = 1 if learning else 0
 
+    def open_files_limit(self, limit: float) -> None:
+        """The soft RLIMIT_NOFILE the process runs with (`math.inf`: unlimited)."""
+        self._open_files = limit
+
     def reload(self, ok: bool) -> None:
         self._add(_RELOADS, ("success" if ok else "failure",))
         if ok:
@@ -434,6 +439,14 @@ class Metrics:
             "1 while learning mode (run --learn) lets through what the policy would refuse.",
             value=self._learn,
         )
+        open_files = GaugeMetricFamily(
+            f"{PREFIX}open_files_limit",
+            "The soft limit on open descriptors (RLIMIT_NOFILE) after start-up; each tunnel "
+            "holds two.",
+        )
+        if self._open_files is not None:
+            open_files.add_metric((), self._open_files)
+        yield open_files
         reloaded = GaugeMetricFamily(
             f"{PREFIX}last_reload_success_timestamp_seconds",
             "Unix time of the last successful policy load or reload.",
