@@ -44,7 +44,7 @@ from proxy.dns.answers import FORMERR, DnsQuery, DnsResponder
 from proxy.dns.tcp import TcpConnection
 from proxy.dns.wire import Unanswerable, read_query, render, udp_limit
 from proxy.errors import ProxyError
-from proxy.netaddr import Listener, own_listener
+from proxy.netaddr import Listener, OwnListeners
 
 if TYPE_CHECKING:
     from policy import Policy
@@ -77,6 +77,7 @@ class DnsServer:
         self.responder = responder
         self.limits = limits
         self.listeners: tuple[Listener, ...] = ()
+        self.own = OwnListeners()  # its own listeners: a message from one is never answered
         self._udp: list[asyncio.DatagramTransport] = []
         self._servers: list[asyncio.Server] = []
         self._tasks: set[asyncio.Task[None]] = set()
@@ -108,6 +109,7 @@ class DnsServer:
                 Listener("dns", listener.host, udp.getsockname()[1])
                 for listener, (udp, _) in zip(listeners, pairs, strict=True)
             )
+            self.own = OwnListeners(self.listeners)
             for udp, tcp in pairs:
                 transport, _ = await loop.create_datagram_endpoint(
                     lambda: _UdpProtocol(self), sock=udp
@@ -226,7 +228,7 @@ class DnsServer:
         self._waiting.pop(connection, None)
 
     def is_own(self, address: str, port: int) -> bool:
-        return own_listener(self.listeners, address, port) is not None
+        return self.own.is_own(address, port)
 
 
 async def _guarded(work: Coroutine[Any, Any, None]) -> None:
