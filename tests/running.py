@@ -42,10 +42,10 @@ ROOT = Path(__file__).resolve().parent.parent
 CURL = "/usr/bin/curl"
 OPENSSL = "/usr/bin/openssl"
 LOOPBACK = "127.0.0.1"
-# The first listener's port (a bare HTTP proxy in these tests), then any others, then admin.
-LISTENING = re.compile(
-    r"listening on 127\.0\.0\.1:(\d+)(?: and \S+)* \(admin http://127\.0\.0\.1:(\d+)/"
-)
+# The first listener's port (a bare HTTP proxy in these tests), then any others, then admin;
+# each on any address (`0.0.0.0`, `[::]` too).
+_HOST = r"(?:[0-9.]+|\[[0-9a-f:.]+\])"
+LISTENING = re.compile(rf"listening on {_HOST}:(\d+)(?: and \S+)* \(admin http://{_HOST}:(\d+)/")
 # Start-up imports mitmproxy, which takes a few seconds on a slow shared machine.
 READY_TIMEOUT = 30.0
 # SIGTERM drains live connections for at most 5 s; this leaves room on a loaded machine.

@@ -29,7 +29,7 @@ from running import metric_value
 
 from policy import compile_policy, load_manifest
 from proxy.app.config import load_config
-from proxy.common.listeners import Listener, own_listener
+from proxy.common.listeners import Listener
 from proxy.decide.vetting import Vetter
 from proxy.dns_responder.responder import DnsResponder
 from proxy.dns_responder.server import DnsServer, ServerLimits
@@ -304,21 +304,3 @@ def test_a_datagram_from_our_own_address_is_never_answered(run: Run) -> None:
         assert running.dropped() == 1
 
     run(body)
-
-
-def test_own_listener_covers_every_address_of_a_wildcard_bind() -> None:
-    listeners = [
-        Listener("dns", "127.0.0.1", 53),
-        Listener("http", "0.0.0.0", 3128),
-        Listener("admin", "::", 9901),
-    ]
-    assert own_listener(listeners, "127.0.0.1", 53) == listeners[0]
-    assert own_listener(listeners, "::ffff:127.0.0.1", 53) == listeners[0]
-    assert own_listener(listeners, "127.0.0.2", 53) is None  # a specific bind: that address
-    assert own_listener(listeners, "127.0.0.2", 3128) == listeners[1]  # loopback is ours
-    assert own_listener(listeners, "::1", 9901) == listeners[2]
-    assert own_listener(listeners, "::1", 3128) is None  # v4 wildcard: v4 addresses only
-    # Addresses of other hosts (documentation ranges, never assigned here) are not ours.
-    assert own_listener(listeners, "192.0.2.1", 3128) is None
-    assert own_listener(listeners, "2001:db8::1", 9901) is None
-    assert own_listener(listeners, "not an address", 53) is None

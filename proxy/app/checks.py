@@ -3,19 +3,17 @@ that is one of our own listeners, and what a reload cannot change without a rest
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from proxy.common.errors import ProxyError
-from proxy.common.listeners import Listener, format_listen, own_listener
+from proxy.common.listeners import OwnListeners, format_listen
 from proxy.common.settings import Config
 from proxy.net.resolver import Resolver
 
 
-def refuse_own_nameservers(resolver: Resolver, own: Sequence[Listener]) -> None:
+def refuse_own_nameservers(resolver: Resolver, own: OwnListeners) -> None:
     """A nameserver that is one of our own listeners would have the proxy ask itself (a DNS
     listener: every lookup a query to ourselves, answered by asking ourselves again)."""
     for address, port in resolver.nameservers:
-        listener = own_listener(own, address, port)
+        listener = own.listener(address, port)
         if listener is not None:
             raise ProxyError(
                 "dns_config",

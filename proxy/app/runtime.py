@@ -68,7 +68,7 @@ from proxy.app.inputs import Compiled, Inputs, compile_inputs, refuse_forbidden
 from proxy.app.messages import LEARNING, PrintableFormatter, asking, listening, try_it
 from proxy.app.open_files import raise_open_files_limit
 from proxy.common.errors import ProxyError
-from proxy.common.listeners import Listener, format_listen
+from proxy.common.listeners import Listener, OwnListeners, format_listen
 from proxy.common.settings import FORBID, Limits
 from proxy.common.terminal import printable
 from proxy.dataplane.frontdoor import FrontDoor
@@ -143,7 +143,8 @@ class Runtime:
         self._hurry = asyncio.Event()
         self._reload_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._own: tuple[Listener, ...] = ()  # every listener, as bound
+        # Every listener as bound (admin and DNS too), shared by every Vetter: the loop guard.
+        self.own = OwnListeners()
 
     # -- output --------------------------------------------------------------------------------
 
@@ -227,6 +228,9 @@ class Runtime:
             )
             admin_host, admin_port = await self.admin.start(*self.admin_address)
             dns_bound = await self._start_dns(resolver)
+            # Ours before the front door accepts anything: a tunnel or a request to /metrics
+            # through the proxy itself is refused; the DNS listeners listen on TCP too.
+            self.own.claim((*dns_bound, Listener("admin", admin_host, admin_port)))
             if self.engine is not None:
                 await self.engine_for_intercept()
             self.front = FrontDoor(
@@ -238,12 +242,7 @@ class Runtime:
                 attribution=self.attribution,
             )
             listeners = (*await self.front.start(self.listen), *dns_bound)
-            # Every listener, the DNS ones included, is bound from here.
-            self._own = (*listeners, Listener("admin", admin_host, admin_port))
-            # The admin and DNS listeners are never a destination either (a tunnel or a request
-            # to /metrics through the proxy itself); the DNS ones listen on TCP too.
-            self.front.claim(self._own)
-            refuse_own_nameservers(resolver, self._own)
+            refuse_own_nameservers(resolver, self.own)
             self.readiness.set("listeners_bound", True)
             # Set here because nothing in this process can verify the sandbox boundary (that the
             # agent cannot bypass this proxy); the sandbox shapes (issue 5) verify it and will
@@ -286,6 +285,7 @@ class Runtime:
             plane="l4",
             learn=self.learning,
             asks=self.asks,
+            own=self.own,
         )
 
     # -- the DNS listeners ----------------------------------------------------------------------
@@ -313,6 +313,7 @@ class Runtime:
         )
         self.engine.vetter.learn = self.learning
         self.engine.vetter.asks = self.asks
+        self.engine.vetter.own = self.own
         return self.engine
 
     async def engine_for_intercept(self) -> Engine:
@@ -433,7 +434,7 @@ class Runtime:
             if (old.nameservers, old.dns_timeout) != (new.nameservers, new.dns_timeout):
                 try:
                     resolver = Resolver.from_config(new)
-                    refuse_own_nameservers(resolver, self._own)
+                    refuse_own_nameservers(resolver, self.own)
                 except Exception as exc:
                     self.metrics.reload(ok=False)
                     self.say(f"reload failed, keeping the previous policy: {exc}")

@@ -4,7 +4,7 @@ because the proxy never lets the OS resolve a name.
 
 Proxy listeners as `--listen` writes them: `HOST:PORT` (an HTTP proxy), `http://HOST:PORT`,
 `socks5://HOST:PORT` or `transparent://HOST:PORT`; and the DNS listeners of `--dns-listen
-HOST:PORT`. Several may be given; each serves the same policy. `own_listener` says whether an
+HOST:PORT`. Several may be given; each serves the same policy. `OwnListeners` says whether an
 address and port reach one of them (every address of a wildcard bind included): the proxy's own
 listeners are never a destination (`proxy_loop`)."""
 
@@ -77,33 +77,72 @@ def check_listeners(listeners: list[Listener]) -> None:
         seen[key] = listener
 
 
-WILDCARDS = {4: "0.0.0.0", 6: "::"}
+class OwnListeners:
+    """The loop guard, the one every plane asks before any dial: whether a connection to
+    address:port would reach one of our own listeners (DESIGN 3.10). A listener bound to one
+    address is reached by that address alone (127.0.0.2 is not 127.0.0.1's); a wildcard one
+    (`0.0.0.0`, `[::]`, each of its own family: ours are v6-only) by every address of this host
+    on its port. An IPv4-mapped IPv6 address is its IPv4 address; the unspecified address
+    (`0.0.0.0`, `::`), which the kernel dials as loopback, and an address that does not parse
+    are ours on every port we listen on (fail closed).
 
+        own = OwnListeners([Listener("http", "0.0.0.0", 3128)])
+        own.is_own("127.0.0.2", 3128)      # True: the kernel would hand it to our listener
 
-def own_listener(listeners: Iterable[Listener], address: str, port: int) -> Listener | None:
-    """The listener of `listeners` that a packet or connection to address:port would reach:
-    one bound to that address and port, or a wildcard one (`0.0.0.0`, `[::]`) on that port
-    when the address is one of this host's. An IPv4-mapped IPv6 address counts as its IPv4
-    address; an address that does not parse is no listener's."""
-    try:
-        ip = ipaddress.ip_address(address.split("%", 1)[0])
-    except ValueError:
+    A destination on a port none of ours listens on costs one set lookup; the kernel is asked
+    (`_is_local`) only for one on the port of a wildcard listener."""
+
+    __slots__ = ("_exact", "_ports", "_wildcards", "listeners")
+
+    def __init__(self, listeners: Iterable[Listener] = ()) -> None:
+        self.listeners: tuple[Listener, ...] = ()
+        self._ports: set[int] = set()
+        self._exact: dict[tuple[str, int], Listener] = {}
+        self._wildcards: dict[tuple[int, int], Listener] = {}  # by (IP version, port)
+        self.claim(listeners)
+
+    def claim(self, listeners: Iterable[Listener]) -> None:
+        """Makes `listeners` (bound: their ports known) ours."""
+        for listener in listeners:
+            ip = ipaddress.ip_address(listener.host)
+            port = listener.port
+            if ip.is_unspecified:
+                self._wildcards.setdefault((ip.version, port), listener)
+            else:
+                self._exact.setdefault((str(ip), port), listener)
+            self._ports.add(port)
+            self.listeners += (listener,)
+
+    def is_own(self, address: str, port: int) -> bool:
+        return port in self._ports and self.listener(address, port) is not None
+
+    def listener(self, address: str, port: int) -> Listener | None:
+        """The listener of ours that a packet or connection to address:port would reach."""
+        if port not in self._ports:
+            return None
+        try:
+            ip = ipaddress.ip_address(address.split("%", 1)[0])
+        except ValueError:
+            ip = None
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        if ip is None or ip.is_unspecified:
+            return next(x for x in self.listeners if x.port == port)
+        exact = self._exact.get((str(ip), port))
+        if exact is not None:
+            return exact
+        wildcard = self._wildcards.get((ip.version, port))
+        if wildcard is not None and _is_local(ip):
+            return wildcard
         return None
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    text, wildcard = str(ip), WILDCARDS[ip.version]
-    for listener in listeners:
-        if listener.port != port:
-            continue
-        if listener.host == text or (listener.host == wildcard and _is_local(ip)):
-            return listener
-    return None
 
 
 def _is_local(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    """Whether `ip` is an address of this host: loopback, or one a socket can bind to (the
-    kernel's own answer, for every interface, including ones added after start-up)."""
-    if ip.is_loopback:
+    """Whether `ip` is an address of this host: loopback (all of 127/8), or one a socket can
+    bind to, which is the kernel's own answer for every interface and alias, including ones
+    added after start-up (no list to go stale). An IPv6 link-local address counts as local:
+    without its zone the kernel cannot say on which interface it is, so we fail closed."""
+    if ip.is_loopback or (ip.version == 6 and ip.is_link_local):
         return True
     family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
     try:

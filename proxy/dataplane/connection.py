@@ -430,8 +430,6 @@ class Door:
         self.engine = engine
         self.connections: set[Connection] = set()
         self.handoffs: set[asyncio.Task[None]] = set()
-        self.own: set[tuple[str, int]] = set()
-        self.own_ports: set[int] = set()  # of wildcard listeners: every address is ours
         self._pool: Pool | None = None
 
     def http_pool(self) -> Pool:
@@ -463,8 +461,8 @@ class Door:
         self.connections.discard(connection)
 
     def is_own(self, address: str, port: int) -> bool:
-        """Whether address:port is one of our listeners (a wildcard one on any address)."""
-        return port in self.own_ports or (address, port) in self.own
+        """Whether address:port reaches one of our listeners (the vetter's loop guard)."""
+        return self.vetter.own.is_own(address, port)
 
     async def intercept(self, connection: Connection) -> None:
         """Gives a TLS connection to the interception engine (loaded now if it is not yet): its

@@ -101,22 +101,14 @@ class FrontDoor:
                 "listen_failed", f"cannot listen on {listener}: {exc.strerror or exc}"
             ) from None
         loop = asyncio.get_running_loop()
-        self.claim(bound)
+        # Ours before any accepts: no connection may be dialled to one of them.
+        self.door.vetter.own.claim(bound)
         for sock, where in zip(sockets, bound, strict=True):
             self._servers.append(
                 await loop.create_server(protocol_for(self.door, where), sock=sock)
             )
         self.listeners = tuple(bound)
         return self.listeners
-
-    def claim(self, listeners: Sequence[Listener]) -> None:
-        """Makes `listeners` (ours, bound: this door's, and the admin and DNS listeners the
-        runtime bound) refused as a destination on every plane (`proxy_loop`)."""
-        for where in listeners:
-            if where.host in ("0.0.0.0", "::"):
-                self.door.own_ports.add(where.port)  # every address of the host is ours
-            else:
-                self.door.own.add((where.host, where.port))
 
     def stop_accepting(self) -> None:
         for server in self._servers:

@@ -77,7 +77,7 @@ async def vet(
         final=False,
         **context,
     )
-    _vetted(connection, vetted, port, context)
+    _vetted(connection, vetted, port)
     return vetted
 
 
@@ -102,7 +102,7 @@ async def vet_by_address(
     )
     where = authority(vetted.decision.host, port)
     connection.target = f"{scheme}://{where}" if scheme else where
-    _vetted(connection, vetted, port, context)
+    _vetted(connection, vetted, port)
     return vetted
 
 
@@ -126,21 +126,10 @@ def unattributed(address: str, port: int) -> Refused:
     )
 
 
-def _vetted(connection: Connection, vetted: Vetted, port: int, context: dict[str, Any]) -> None:
-    """The destination vetted this far, on the connection; refused if it is our own listener."""
-    door = connection.door
-    name = vetted.decision.host
-    connection.host, connection.port, connection.pinned = name, port, vetted.pinned
+def _vetted(connection: Connection, vetted: Vetted, port: int) -> None:
+    """The destination vetted this far (the loop guard passed: `Vetter`), on the connection."""
+    connection.host, connection.port, connection.pinned = vetted.decision.host, port, vetted.pinned
     connection.vetted = vetted
-    if any(door.is_own(address, port) for address in vetted.pinned):
-        refused = Refused(
-            403, Reason.PROXY_LOOP, f"{authority(name, port)} is this proxy's own listener"
-        )
-        door.vetter.refusal(
-            refused, connection.peer, name, port, connection.protocol, stage="address",
-            vetted=vetted, **context,
-        )  # fmt: skip
-        raise refused
 
 
 async def dial(

@@ -5,7 +5,10 @@ name stage, DNS once, address stage, and the metrics and audit line of each step
     vetted = await vetter.vet("pypi.org:443", 443, peer, "connect", inspecting=False)
     vetted.pinned      # the only addresses the connection may go to
 
-A refusal raises `Refused` after its metrics and audit line are written. No mitmproxy here.
+The loop guard is a step of the address stage, so no plane can dial before it: a destination
+any of whose checked addresses is one of the proxy's own listeners (`own`, shared by every
+Vetter of the process) is refused (`proxy_loop`). A refusal raises `Refused` after its metrics
+and audit line are written. No mitmproxy here.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from policy.decisions import Decision
 from policy.hostnames import normalize_host, parse_ip_literal
 from policy.reasons import Reason
 from proxy.common.errors import ProxyError
+from proxy.common.listeners import OwnListeners
 from proxy.common.refusals import Refused, authority
 from proxy.decide.asks import OVERLOADED, RELOAD, TIMEOUT, Asks
 from proxy.decide.events import DecisionEvent
@@ -137,7 +141,8 @@ class Vetter:
     mode (`run --learn`, Policy.learn): a refusal only a manifest entry could lift is let
     through and written as `would_deny`; a reload may turn it off, never on. `asks`: asking
     mode (`run --ask`, proxy/decide/asks.py, shared by every Vetter): such a refusal is held
-    while a person decides, and the session's grants apply to every decision."""
+    while a person decides, and the session's grants apply to every decision. `own`: the
+    proxy's own listeners, never a destination (claimed as they are bound)."""
 
     def __init__(
         self,
@@ -149,8 +154,10 @@ class Vetter:
         plane: str,
         learn: bool = False,
         asks: Asks | None = None,
+        own: OwnListeners | None = None,
     ) -> None:
         self.policy = policy
+        self.own = own if own is not None else OwnListeners()
         self.learn = learn
         self.asks = asks
         self.resolver = resolver
@@ -439,8 +446,9 @@ class Vetter:
         port: int | None,
         named: dict[str, Any],
     ) -> Vetted:
-        """The address stage on one answer for an allowed name: what vetting found, or Refused
-        after its line (`named`: the rule and context the line carries)."""
+        """The address stage on one answer for an allowed name, the loop guard last (a
+        connection on a `port`; a DNS question has none): what vetting found, or Refused after
+        its line (`named`: the rule and context the line carries)."""
         checked = self._check_addresses(policy, decision.host, addresses, cname_chain)
         if not checked.allowed or not checked.pinned:
             self.record(checked, peer, protocol, port=port, **named)
@@ -450,7 +458,17 @@ class Vetter:
                 checked.message,
                 remedy=policy.remedy(checked),
             )
-        return Vetted(decision, checked, tuple(checked.pinned))
+        vetted = Vetted(decision, checked, tuple(checked.pinned))
+        if port is not None and any(self.own.is_own(address, port) for address in vetted.pinned):
+            refused = Refused(
+                403,
+                Reason.PROXY_LOOP,
+                f"{authority(decision.host, port)} is this proxy's own listener",
+            )
+            self.refusal(refused, peer, decision.host, port, protocol, stage="address",
+                         vetted=vetted, **named)  # fmt: skip
+            raise refused
+        return vetted
 
     async def _ask(
         self,

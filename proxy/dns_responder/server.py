@@ -41,7 +41,7 @@ import dns.message
 
 from policy.reasons import Reason
 from proxy.common.errors import ProxyError
-from proxy.common.listeners import Listener, own_listener
+from proxy.common.listeners import Listener, OwnListeners
 from proxy.decide.vetting import Peer, next_connection_id
 from proxy.dns_responder.responder import FORMERR, DnsQuery, DnsResponder
 from proxy.dns_responder.tcp_listener import TcpConnection
@@ -78,6 +78,7 @@ class DnsServer:
         self.responder = responder
         self.limits = limits
         self.listeners: tuple[Listener, ...] = ()
+        self.own = OwnListeners()  # its own listeners: a message from one is never answered
         self._udp: list[asyncio.DatagramTransport] = []
         self._servers: list[asyncio.Server] = []
         self._tasks: set[asyncio.Task[None]] = set()
@@ -109,6 +110,7 @@ class DnsServer:
                 Listener("dns", listener.host, udp.getsockname()[1])
                 for listener, (udp, _) in zip(listeners, pairs, strict=True)
             )
+            self.own = OwnListeners(self.listeners)
             for udp, tcp in pairs:
                 transport, _ = await loop.create_datagram_endpoint(
                     lambda: _UdpProtocol(self), sock=udp
@@ -227,7 +229,7 @@ class DnsServer:
         self._waiting.pop(connection, None)
 
     def is_own(self, address: str, port: int) -> bool:
-        return own_listener(self.listeners, address, port) is not None
+        return self.own.is_own(address, port)
 
 
 async def _guarded(work: Coroutine[Any, Any, None]) -> None:
