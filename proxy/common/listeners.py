@@ -79,15 +79,15 @@ def check_listeners(listeners: list[Listener]) -> None:
 
 class OwnListeners:
     """The loop guard, the one every plane asks before any dial: whether a connection to
-    address:port would reach one of our own listeners, which are never a destination. A
-    listener bound to one address is reached by that address alone (127.0.0.2 is not 127.0.0.1's); a wildcard one
-    (`0.0.0.0`, `[::]`, each of its own family: ours are v6-only) by every address of this host
+    address:port would reach one of our own listeners, which are never a destination. A listener
+    bound to one address is reached by that address alone (127.0.0.2 is not 127.0.0.1's); a wildcard
+    one (`0.0.0.0`, `[::]`, each of its own family: ours are v6-only) by every address of this host
     on its port. An IPv4-mapped IPv6 address is its IPv4 address; the unspecified address
-    (`0.0.0.0`, `::`), which the kernel dials as loopback, and an address that does not parse
-    are ours on every port we listen on (fail closed).
+    (`0.0.0.0`, `::`), which the kernel dials as loopback, and an address that does not parse are
+    ours on every port we listen on (fail closed).
 
-        own = OwnListeners([Listener("http", "0.0.0.0", 3128)])
-        own.is_own("127.0.0.2", 3128)      # True: the kernel would hand it to our listener
+    own = OwnListeners([Listener("http", "0.0.0.0", 3128)]) own.is_own("127.0.0.2", 3128) # True:
+    the kernel would hand it to our listener
 
     A destination on a port none of ours listens on costs one set lookup; the kernel is asked
     (`_is_local`) only for one on the port of a wildcard listener."""
