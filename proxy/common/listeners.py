@@ -86,8 +86,8 @@ class OwnListeners:
     (`0.0.0.0`, `::`), which the kernel dials as loopback, and an address that does not parse are
     ours on every port we listen on (fail closed).
 
-    own = OwnListeners([Listener("http", "0.0.0.0", 3128)]) own.is_own("127.0.0.2", 3128) # True:
-    the kernel would hand it to our listener
+        own = OwnListeners([Listener("http", "0.0.0.0", 3128)])
+        own.is_own("127.0.0.2", 3128)     # True: the kernel would hand it to our listener
 
     A destination on a port none of ours listens on costs one set lookup; the kernel is asked
     (`_is_local`) only for one on the port of a wildcard listener."""
