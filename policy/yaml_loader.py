@@ -35,7 +35,8 @@ def parse_yaml(text: str, source: str, *, max_depth: int, max_nodes: int) -> Any
         ) from None
 
 
-class _StrictLoader(_Loader):
+# PyYAML ships no types: its loader is Any to mypy.
+class _StrictLoader(_Loader):  # type: ignore[misc]
     """Safe YAML loading that refuses duplicate mapping keys.
 
     With duplicates PyYAML keeps the last value silently; another parser may keep the first, so
@@ -59,7 +60,8 @@ class _StrictLoader(_Loader):
                     line=mark.line + 1,
                     column=mark.column + 1,
                 )
-        return super().construct_mapping(node, deep=deep)
+        mapping: dict[Any, Any] = super().construct_mapping(node, deep=deep)
+        return mapping
 
 
 _StrictLoader.add_constructor(

@@ -155,7 +155,7 @@ def cmd_check(args: argparse.Namespace, out: TextIO) -> int:
 
 def _rule_target(rule: dict[str, Any]) -> str:
     if rule["kind"] == "address":
-        return rule.get("network", rule["pattern"])
+        return str(rule.get("network", rule["pattern"]))
     if rule["kind"] == "url":
         # A blocked prefix holds on every scheme and port: it has neither.
         scheme, port = rule["scheme"] or "*", rule["port"] or "*"

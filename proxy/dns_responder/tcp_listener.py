@@ -272,7 +272,8 @@ class TcpConnection(asyncio.Protocol):
     def _whole_message(self) -> bool:
         if len(self.buffer) < _LENGTH.size:
             return False
-        return len(self.buffer) >= _LENGTH.size + _LENGTH.unpack_from(self.buffer)[0]
+        length: int = _LENGTH.unpack_from(self.buffer)[0]
+        return len(self.buffer) >= _LENGTH.size + length
 
     def _arm(self, delay: float, callback: Any) -> None:
         self._disarm()

@@ -27,7 +27,7 @@ import inspect
 import logging
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from mitmproxy import http, tcp
 from mitmproxy.proxy.layers.tls import HTTP1_ALPNS, HTTP2_ALPN
@@ -109,7 +109,7 @@ def _client_of(argument: Any) -> Client | None:
         for name in path.split("."):
             value = getattr(value, name, None)
         if value is not None:
-            return value
+            return cast(Client, value)
     return None
 
 

@@ -352,7 +352,8 @@ class EgressHttp2Server(http_layers.Http2Server):
                     )
                 )
                 return False
-        return (yield from super().handle_h2_event(event))
+        handled = yield from super().handle_h2_event(event)
+        return bool(handled)
 
 
 def connect_request(fields: Any) -> http.Request | None:

@@ -118,7 +118,7 @@ def check_request(request: http.Request, destination: Destination) -> Refused | 
 
 def is_grpc(request: http.Request) -> bool:
     """Whether a request is gRPC (`application/grpc`, `application/grpc+proto`, ...)."""
-    kind = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    kind = str(request.headers.get("content-type", "")).split(";", 1)[0].strip().lower()
     return kind == "application/grpc" or kind.startswith("application/grpc+")
 
 

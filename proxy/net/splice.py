@@ -175,7 +175,8 @@ def _pipe_empty(fd: int) -> bool:
     import termios
 
     try:
-        return _INT.unpack(fcntl.ioctl(fd, termios.FIONREAD, bytes(_INT.size)))[0] == 0
+        pending: int = _INT.unpack(fcntl.ioctl(fd, termios.FIONREAD, bytes(_INT.size)))[0]
+        return pending == 0
     except (OSError, AttributeError):
         return False
 

@@ -157,7 +157,7 @@ def _canonical_address(value: Any) -> str | None:
     try:
         return str(ipaddress.ip_address(value)) if isinstance(value, str) else None
     except ValueError:
-        return value
+        return str(value)
 
 
 def loaded_chains(listing: Any, table: str) -> dict[str, ChainKey]:

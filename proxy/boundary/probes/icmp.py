@@ -23,7 +23,7 @@ def _checksum(data: bytes) -> int:
     total = sum(struct.unpack(f"!{len(data) // 2}H", data))
     while total >> 16:
         total = (total & 0xFFFF) + (total >> 16)
-    return ~total & 0xFFFF
+    return int(~total & 0xFFFF)
 
 
 def _icmp_socket(family: socket.AddressFamily) -> tuple[socket.socket, str] | None:
