@@ -22,6 +22,7 @@ __all__ = [
     "refusal_response",
     "refusal_ssh",
     "shown",
+    "upstream_refusal",
 ]
 
 DENIED_HEADER = "X-Egress-Denied"
@@ -64,6 +65,13 @@ class Refused(Exception):
         self.message = message
         self.error = error
         self.remedy = None if error else remedy if remedy is not None else client_remedy(reason)
+
+
+def upstream_refusal(reason: str, message: str) -> Refused:
+    """An upstream that could not be reached (`upstream_timeout`, `upstream_refused`): 504 for a
+    connect that timed out, 502 otherwise; an error, so no remedy."""
+    status = 504 if reason == Reason.UPSTREAM_TIMEOUT else 502
+    return Refused(status, reason, message, error=True)
 
 
 def shown(text: object, limit: int = _MAX_SHOWN) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from policy.reasons import Reason
-from proxy.common.refusals import Refused, authority
+from proxy.common.refusals import Refused, authority, upstream_refusal
 from proxy.dataplane import tunnel
 from proxy.dataplane.http_messages import forwarded_fields, request_head
 from proxy.dataplane.http_requests import Rejected, Request, destination
@@ -130,8 +130,7 @@ async def _connect(
             timeout=door.config.limits.connect_timeout, metrics=door.metrics,
         )  # fmt: skip
     except UpstreamError as exc:
-        status = 504 if exc.reason == Reason.UPSTREAM_TIMEOUT else 502
-        refused = Refused(status, exc.reason, exc.message, error=True)
+        refused = upstream_refusal(exc.reason, exc.message)
         raise plane.refusal(refused, name, port, "upstream", context) from None
     address = transport.get_extra_info("peername")
     conn.upstream = authority(address[0], address[1])

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from policy.reasons import Reason
-from proxy.common.refusals import Refused, authority
+from proxy.common.refusals import Refused, authority, upstream_refusal
 from proxy.decide.attribution import canonical_address
 from proxy.decide.first_flight import FirstFlight
 from proxy.decide.sni_gate import GateOutcome, check_hello
@@ -159,8 +159,7 @@ async def dial_vetted(connection: Connection, vetted: Vetted, port: int, **conte
             metrics=door.metrics,
         )
     except UpstreamError as exc:
-        status = 504 if exc.reason == Reason.UPSTREAM_TIMEOUT else 502
-        refused = Refused(status, exc.reason, exc.message, error=True)
+        refused = upstream_refusal(exc.reason, exc.message)
         door.vetter.refusal(
             refused, connection.peer, name, port, connection.protocol, stage="upstream",
             vetted=vetted, **_with_attribution(connection, context),

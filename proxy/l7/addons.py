@@ -34,7 +34,7 @@ from mitmproxy.proxy.layers.tls import HTTP1_ALPNS, HTTP2_ALPN
 
 from policy.reasons import Reason
 from proxy.common.errors import ProxyError
-from proxy.common.refusals import Refused, authority, shown
+from proxy.common.refusals import Refused, authority, shown, upstream_refusal
 from proxy.l7.modes import CloseClient
 from proxy.l7.patches import ANSWER
 from proxy.l7.request_checks import (
@@ -401,9 +401,7 @@ class Pinning(_Hooks):
             Reason.UPSTREAM_TIMEOUT,
         ):
             return  # refused before any dial: that refusal has its own line
-        reason = match.group(1)
-        status = 504 if reason == Reason.UPSTREAM_TIMEOUT else 502
-        refused = Refused(status, reason, str(data.server.error), error=True)
+        refused = upstream_refusal(match.group(1), str(data.server.error))
         self.refusal(self.connection(data.client), refused, stage="upstream")
 
     @fail_closed(_end_connection)
