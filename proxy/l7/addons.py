@@ -109,7 +109,7 @@ def _client_of(argument: Any) -> Client | None:
         for name in path.split("."):
             value = getattr(value, name, None)
         if value is not None:
-            return cast(Client, value)
+            return cast("Client", value)
     return None
 
 
