@@ -14,7 +14,9 @@ import tempfile
 from collections.abc import Callable, Iterator
 
 import pytest
-from dns_server import DNSServer, running_dns_server
+import trustme
+from support.dns_server import DNSServer, running_dns_server
+from support.sandbox import Subnets, session_objects
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -56,7 +58,7 @@ def resolved_by_os(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 @pytest.fixture
 def dns() -> Iterator[DNSServer]:
-    """A DNS server of the test's own on 127.0.0.1 (tests/dns_server.py); modules that want
+    """A DNS server of the test's own on 127.0.0.1 (tests/support/dns_server.py); modules that want
     names preset override this fixture and ask for it by the same name."""
     with running_dns_server() as server:
         yield server
@@ -75,3 +77,28 @@ def pytest_asyncio_loop_factories(
 
         return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
     return {"asyncio": asyncio.new_event_loop}
+
+
+@pytest.fixture(scope="module")
+def upstream_ca() -> trustme.CA:
+    """The CA of a module's own TLS upstreams (support/tls.py issues their certificates)."""
+    return trustme.CA()
+
+
+# -- sandbox sessions (support/sandbox.py) --------------------------------------------------
+
+
+@pytest.fixture
+def subnets() -> Subnets:
+    """The session's subnets, random in documentation space (v4) and ULA (v6)."""
+    return Subnets.random()
+
+
+@pytest.fixture
+def nothing_left(subnets: Subnets) -> Iterator[None]:
+    """Nothing of the session may be left after the test: the sandbox modules use it on every
+    test (`pytest.mark.usefixtures("nothing_left")` in their pytestmark)."""
+    before = session_objects(subnets)
+    yield
+    left = session_objects(subnets) - before
+    assert not left, f"the session left {sorted(left)}"

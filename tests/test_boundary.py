@@ -214,7 +214,7 @@ def pod_and_outside() -> Iterator[Pod]:
                 outside,
                 [
                     sys.executable,
-                    str(ROOT / "tests" / "boundary_observer.py"),
+                    str(ROOT / "tests" / "support" / "boundary_observer.py"),
                     "outside",
                     str(log),
                     OUTSIDE_V4,
@@ -355,7 +355,7 @@ def test_verify_holds_with_the_rules_and_names_every_bypass_without_them() -> No
                 pod.pod,
                 [
                     sys.executable,
-                    str(ROOT / "tests" / "boundary_observer.py"),
+                    str(ROOT / "tests" / "support" / "boundary_observer.py"),
                     "listen",
                     str(served),
                     "0.0.0.0",

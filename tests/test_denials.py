@@ -19,9 +19,9 @@ import pytest_asyncio
 from dns import message as dnsmessage
 from dns import query as dnsquery
 from dns import rcode as dnsrcode
-from dns_server import DNSServer
-from running import LOOPBACK, RunningProxy, curl, http_upstream, wait_for
-from test_admin import all_ready
+from support.admin import all_ready
+from support.dns_server import DNSServer
+from support.running import LOOPBACK, RunningProxy, curl, http_upstream, wait_for
 
 from proxy.decide.events import MAX_FIELD, CloseEvent, DecisionEvent
 from proxy.ops.admin import AdminServer

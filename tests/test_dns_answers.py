@@ -10,9 +10,9 @@ import json
 from typing import Any
 
 import pytest
-from dns_server import DNSServer
-from running import metric_value
-from test_engine import ExplodingPolicy
+from support.dns_server import DNSServer
+from support.in_process import ExplodingPolicy
+from support.running import metric_value
 
 from policy import Policy, compile_policy, load_manifest
 from policy.reasons import Reason

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from dns import message as dnsmessage
 from dns import query as dnsquery
-from dns_server import DNSServer
-from running import LOOPBACK, RunningProxy, metric_value
+from support.dns_server import DNSServer
+from support.running import LOOPBACK, RunningProxy, metric_value
 
 pytestmark = pytest.mark.slow
 

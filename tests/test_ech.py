@@ -26,14 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dns_server import DNSServer
-from running import RunningProxy, make_config, metric_value, wait_for
-from test_clienthello import alpn_ext, records, sni_ext, vec8, vec16
-from test_clienthello import handshake as handshake_message
-from test_clienthello import hello_body as build_body
-from test_engine import Upstream, closed_by_peer, serving
-from test_frontdoor import Door, connect, opened, received, trusted_ca
-from test_socks import socks_door
+from support.dns_server import DNSServer
+from support.front_door import Door, opened, received, socks_door
+from support.hellos import alpn_ext, records, sni_ext, vec8, vec16
+from support.hellos import handshake as handshake_message
+from support.hellos import hello_body as build_body
+from support.in_process import Upstream, closed_by_peer, connect, serving
+from support.running import RunningProxy, make_config, metric_value, wait_for
+from support.tls import trusted_ca
 
 from policy.reasons import Reason
 from proxy.app.config import load_config

@@ -9,8 +9,8 @@ import socket
 from pathlib import Path
 
 import pytest
-from dns_server import DNSServer
-from running import LOOPBACK, RunningProxy, curl, http_upstream, wait_for
+from support.dns_server import DNSServer
+from support.running import LOOPBACK, RunningProxy, curl, http_upstream, wait_for
 
 from proxy.cli import main
 from proxy.common.errors import ProxyError

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from dns_server import running_dns_server
-from running import RunningProxy, wait_for
+from support.dns_server import running_dns_server
+from support.running import RunningProxy, wait_for
 
 pytestmark = pytest.mark.slow
 

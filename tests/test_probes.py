@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from dns_server import DNSServer
-from running import tcp_server
+from support.dns_server import DNSServer
+from support.running import tcp_server
 
 from proxy.boundary.probes.dns_query import dns_refused
 from proxy.boundary.probes.privileges import parse_user

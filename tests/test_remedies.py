@@ -12,9 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from dns_server import DNSServer
-from running import HTTPUpstream, RunningProxy, curl, http_upstream
-from test_run_policy_edges import exchange
+from support.dns_server import DNSServer
+from support.running import HTTPUpstream, RunningProxy, curl, exchange, http_upstream
 
 from policy import Policy, Reason, compile_policy, load_ceiling, load_manifest
 from policy.remedies import client_remedy, path_prefix, remedy

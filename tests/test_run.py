@@ -17,16 +17,16 @@ from pathlib import Path
 
 import pytest
 import trustme
-from dns_server import DNSServer
-from running import (
+from support.dns_server import DNSServer
+from support.real_servers import free_port
+from support.running import (
     CURL as CURL_BIN,
 )
-from running import (
+from support.running import (
     HELLO,
     HTTPUpstream,
     RunningProxy,
     curl,
-    free_port,
     http_get,
     http_upstream,
     listening,

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 import yaml
-from dns_server import DNSServer
-from running import ROOT, RunningProxy, curl, http_upstream, make_config
+from support.dns_server import DNSServer
+from support.running import ROOT, RunningProxy, curl, http_upstream, make_config
 
 from policy import compile_policy, load_manifest
 from policy.suggest import Collector

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import trustme
-from dns_server import DNSServer
-from running import RunningProxy
+from support.dns_server import DNSServer
+from support.running import RunningProxy
 
 from proxy.cli import main
 from proxy.common.errors import ProxyError
