@@ -2,7 +2,12 @@
 
 The tests never touch the developer's home directory (the inspection CA defaults to
 ~/.local/share/egress-proxy/ca, curl reads ~/.curlrc), for in-process code and the processes the
-tests start alike."""
+tests start alike.
+
+A test that opens a socket (binds or connects one) or starts a process must be marked
+`integration` (tests/README.md), so that `pytest -m "not integration"` stays a quick inner loop:
+an audit hook sees those events on the main thread, and a test that is not marked fails at its
+teardown, naming what it did."""
 
 from __future__ import annotations
 
@@ -10,7 +15,9 @@ import asyncio
 import ipaddress
 import os
 import socket
+import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -31,6 +38,30 @@ def _isolated_home() -> Iterator[None]:
                 os.environ.pop("HOME", None)
             else:
                 os.environ["HOME"] = previous
+
+
+# Audit events of a socket or a process (docs.python.org: audit events table). A socketpair is
+# neither (every event loop makes one): only what binds, connects or spawns counts.
+OPENING = frozenset({"socket.bind", "socket.connect", "subprocess.Popen", "os.posix_spawn"})
+_opened: list[str] = []
+
+
+def _audit(event: str, args: tuple[object, ...]) -> None:
+    # The main thread only: a server thread left by an earlier test must not blame this one.
+    if event in OPENING and threading.current_thread() is threading.main_thread():
+        _opened.append(event)
+
+
+sys.addaudithook(_audit)  # for the whole run: audit hooks cannot be removed
+
+
+@pytest.fixture(autouse=True)
+def _integration_is_marked(request: pytest.FixtureRequest) -> Iterator[None]:
+    _opened.clear()
+    yield
+    if _opened and request.node.get_closest_marker("integration") is None:
+        events = ", ".join(sorted(set(_opened)))
+        pytest.fail(f"opens sockets or starts processes ({events}): mark it integration")
 
 
 @pytest.fixture

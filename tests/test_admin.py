@@ -24,6 +24,8 @@ from proxy.common.listeners import format_listen, parse_listen
 from proxy.ops.admin import MAX_HEAD_BYTES, AdminServer
 from proxy.ops.readiness import Readiness
 
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 CURL = shutil.which("curl")
 needs_curl = pytest.mark.skipif(CURL is None, reason="curl is not installed")
 

@@ -43,6 +43,8 @@ from support.running import (
 from support.tls import tls_context
 from support.upstreams import TLS_BODY, TLSUpstream, recording_upstream, tls_upstream
 
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 MANIFEST = "network:\n  egress: [allowed.test]\n"
 HOSTS = ("allowed.test", "asked.test", "tls.test", "other.test", "cut.test")
 # Long enough for a harness to answer on a loaded machine; the timeout test sets its own.

@@ -32,6 +32,8 @@ import pytest
 import trustme
 from support.running import tcp_server
 
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 bench = importlib.import_module("bench")

@@ -33,6 +33,7 @@ IP, NFT = shutil.which("ip"), shutil.which("nft")
 SETPRIV, UNSHARE = shutil.which("setpriv"), shutil.which("unshare")
 
 pytestmark = [
+    pytest.mark.integration,
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create network namespaces"),
     pytest.mark.skipif(IP is None, reason="needs iproute2 (ip)"),
     pytest.mark.skipif(NFT is None, reason="needs nftables (nft)"),

@@ -57,6 +57,8 @@ from proxy.decide.clienthello import (
     starts_like_tls,
 )
 
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 # ---------------------------------------------------------------------------------------------
 # Outcomes of both parsers
 

@@ -23,6 +23,8 @@ from support.dns_server import DNSServer, running_dns_server
 from support.running import OPENSSL, RunningProxy, curl, metric_value, wait_for
 from support.upstreams import TLS_BODY, TLSUpstream, tls_upstream
 
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 MANIFEST = "network:\n  egress: [tls.test, other.test, refused.test]\n"
 # 127.0.0.1 only: 127.0.0.2 stays a refused loopback address.
 ALLOW = ("127.0.0.1/32",)

@@ -27,6 +27,8 @@ from support.running import RunningProxy, curl, make_config, metric_value, wait_
 from support.tls import tls_context
 from support.upstreams import OK, REDIRECT, Recorded, recording_upstream
 
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 MANIFEST = "network:\n  egress: [api.test, other.test, plain.test]\n"
 PLACEHOLDER = "EGRESS-PLACEHOLDER-api"
 

@@ -28,6 +28,8 @@ from proxy.ops.admin import AdminServer
 from proxy.ops.audit import AuditLog
 from proxy.ops.denials import Denials
 
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 FIELDS = ("seq", "time", "host", "port", "reason", "rule", "message", "plane", "protocol")
 # The fields an entry shares with its audit line (all but `seq`).
 SHARED = FIELDS[1:]

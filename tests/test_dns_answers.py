@@ -36,6 +36,8 @@ from proxy.net.resolver import Resolver
 from proxy.ops.audit import AuditLog
 from proxy.ops.metrics import Metrics
 
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 MANIFEST = "network:\n  egress: [ok.test, priv.test, mixed.test, gone.test, empty.test, bad.test]\n"
 CONFIG = """\
 addresses:

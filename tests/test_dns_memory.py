@@ -14,7 +14,7 @@ from dns import query as dnsquery
 from support.dns_server import DNSServer
 from support.running import LOOPBACK, RunningProxy, metric_value
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 MANIFEST = "network:\n  egress: [ok.test]\n"
 ALLOW = ("192.0.2.0/24", "2001:db8::/32")

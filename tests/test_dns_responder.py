@@ -24,6 +24,8 @@ from support.running import LOOPBACK, RunningProxy, make_config, metric_value, w
 
 from proxy.cli import main
 
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 MANIFEST = "network:\n  egress: [ok.test, priv.test, gone.test, other.test, slow.test]\n"
 CEILING = "egress: [ok.test, priv.test, gone.test, other.test, slow.test]\n"
 ALLOW = ("192.0.2.0/24", "2001:db8::/32")

@@ -38,6 +38,8 @@ from proxy.net.resolver import Resolver
 from proxy.ops.audit import AuditLog
 from proxy.ops.metrics import Metrics
 
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 LOOPBACK = "127.0.0.1"
 RESOLVER_TIMEOUT = 0.6  # how long a query for slow.test stays in flight
 

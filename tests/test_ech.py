@@ -44,6 +44,8 @@ from proxy.decide.clienthello import ENCRYPTED_CLIENT_HELLO, ESNI, parse_client_
 from proxy.decide.events import CloseEvent, DecisionEvent
 from proxy.decide.sni_gate import check_hello, read_hello
 
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 MANIFEST = "network:\n  egress: [tls.test, up.test]\n"
 REFUSE = "tls:\n  ech: refuse\n"
 NO_INSPECTION = "inspection:\n  enabled: false\n"

@@ -56,6 +56,8 @@ from proxy.l7.engine import Engine
 from proxy.net.resolver import Resolver
 from proxy.ops.audit import AuditLog
 
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 
 @pytest.fixture
 def dns(dns: DNSServer) -> DNSServer:

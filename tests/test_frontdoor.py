@@ -42,6 +42,8 @@ from support.tls import tls_context, trusted_ca
 from policy import compile_policy, load_manifest
 from proxy.dataplane.heads import MAX_CONNECT_HEAD
 
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 NARROWER = "network:\n  egress: [up.test]\n"
 BODY = b"hello from upstream\n"
 

@@ -54,6 +54,8 @@ from proxy.decide.interception import Destination
 from proxy.decide.vetting import Peer
 from proxy.l7.request_checks import check_request, denial, grpc_message
 
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 SERVICE = "test.Echo"
 TIMEOUT = 10.0  # every call and wait of a client below is bounded by it
 

@@ -142,6 +142,7 @@ def test_hostile_file_is_refused_clearly(
     assert_refused(result, hostile, also, json_out=role == "check_json")
 
 
+@pytest.mark.integration  # runs the installed command
 @pytest.mark.parametrize("case", list(HOSTILE))
 def test_hostile_manifest_through_the_installed_command(case: str, tmp_path: Path) -> None:
     make, also = HOSTILE[case]
@@ -149,6 +150,7 @@ def test_hostile_manifest_through_the_installed_command(case: str, tmp_path: Pat
     assert_refused(run("check", hostile), hostile, also)
 
 
+@pytest.mark.integration  # runs the installed command
 @pytest.mark.parametrize("role", ["explain", "ceiling", "config", "classify_config"])
 def test_hostile_file_in_each_role_through_the_installed_command(
     role: str, tmp_path: Path, manifest: Path
@@ -169,6 +171,7 @@ def test_a_fifty_mb_file_is_refused_by_its_size_before_reading(tmp_path: Path) -
     assert result.code == 2
 
 
+@pytest.mark.integration  # runs the installed command
 def test_a_fifty_mb_stdin_is_cut_off(tmp_path: Path) -> None:
     hostile = _sparse(tmp_path)
     with hostile.open("rb") as handle:
@@ -219,6 +222,7 @@ def test_wrong_shapes_inside_a_manifest_exit_0_or_1_with_no_crash(
     assert "internal error" not in result.err
 
 
+@pytest.mark.integration  # runs the installed command
 def test_a_ceiling_with_bad_entries_lists_every_one(tmp_path: Path, manifest: Path) -> None:
     ceiling = tmp_path / "ceiling.yaml"
     ceiling.write_text(
@@ -245,6 +249,7 @@ def test_ceiling_shape_problems(text: str, tmp_path: Path, manifest: Path) -> No
     assert_refused(cli("check", manifest, "--ceiling", ceiling), ceiling, "invalid ceiling")
 
 
+@pytest.mark.integration  # runs the installed command
 def test_a_config_with_unknown_keys_names_them(tmp_path: Path, manifest: Path) -> None:
     config = tmp_path / "config.yaml"
     config.write_text("dns:\n  nameserver: [10.0.0.2]\nlimit:\n  max_connections: 5\n")
@@ -263,6 +268,7 @@ def test_a_config_with_duplicate_keys_is_refused(tmp_path: Path, manifest: Path)
     assert_refused(cli("check", manifest, "--config", config), config, ":2:")
 
 
+@pytest.mark.integration  # runs the installed command
 def test_control_characters_in_a_hostile_key_do_not_reach_the_terminal(tmp_path: Path) -> None:
     path = tmp_path / "agent.yaml"
     path.write_text('network:\n  egress: [github.com]\n  "\\e]0;pwned\\a\\e[2J\\u202e": 1\n')
@@ -275,6 +281,7 @@ def test_control_characters_in_a_hostile_key_do_not_reach_the_terminal(tmp_path:
 # -- big but legitimate ----------------------------------------------------------------------------
 
 
+@pytest.mark.integration  # runs the installed command
 def test_ten_thousand_entries_succeed(tmp_path: Path) -> None:
     entries = "".join(f"    - host{i}.example.com\n" for i in range(10_000))
     path = tmp_path / "agent.yaml"

@@ -18,6 +18,8 @@ from support.hostile import COMMAND, HUGE, NUMBERS, VALID_MANIFEST, Run, cli, ru
 from support.real_servers import free_port
 from support.running import RunningProxy, http_get, listening, make_config, wait_for
 
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 DIGITS = HUGE.decode()
 # A message may name a number by its ends and length; it never prints thousands of digits.
 MAX_ECHO = 1000

@@ -25,6 +25,8 @@ import pytest_asyncio
 from support.dns_server import DNSServer
 from support.in_process import Running, curl, started
 
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 MANIFEST = "network:\n  egress: [up.test]\n"
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 Asked = tuple[asyncio.StreamReader, asyncio.StreamWriter]

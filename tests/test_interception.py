@@ -28,6 +28,8 @@ from proxy.common.listeners import Listener
 from proxy.common.refusals import DENIED_HEADER
 from proxy.tls.ca import ensure_ca
 
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 
 @pytest.fixture
 def dns(dns: DNSServer) -> DNSServer:

@@ -40,6 +40,8 @@ from support.running import (
 )
 from support.upstreams import TLS_BODY, TLSUpstream, tls_upstream
 
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 MANIFEST = "network:\n  egress: [tls.test, up.test]\n"
 # agent.toml's schema written in YAML (the harness names the file agent.yaml): a URL prefix.
 PATHS = "schema_version: 1\nnetwork_access:\n  allowed: ['https://up.test/api/', 'tls.test']\n"

@@ -44,6 +44,8 @@ from proxy.boundary.sandbox.session_proxy import proxy_command
 from proxy.cli import build_parser, main
 from proxy.cli.sandbox import options_from
 
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 # 127.0.0.2 is loopback the operator denies, inside the loopback it otherwise allows.
 CONFIG_EXTRA = "  deny: [127.0.0.2/32]\n"
 

@@ -16,6 +16,8 @@ from proxy.cli import main
 from proxy.common.errors import ProxyError
 from proxy.common.listeners import Listener, check_listeners, parse_dns_listener, parse_listener
 
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 
 def answer(conn: socket.socket) -> bytes:
     """What the proxy answered before it closed (a close with unread bytes is a reset)."""

@@ -22,7 +22,7 @@ import pytest
 from support.dns_server import running_dns_server
 from support.running import RunningProxy, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 MANIFEST = "network:\n  egress: [up.test]\n"
 BODY = b"ok\n"

@@ -73,6 +73,8 @@ from support.tunnels import (
 
 from proxy.cli import main
 
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 NAMES = ("git.test", "db.test", "cache.test", "mail.test", "banner.test", "tls.test", "web.test")
 MANIFEST = "network:\n  egress: [" + ", ".join((*NAMES, "git443.test")) + "]\n"
 SOCKS_LISTENER = re.compile(r" and socks5://127\.0\.0\.1:(\d+)")

@@ -25,6 +25,8 @@ from proxy.boundary.probes.tcp import tcp_answered_by_proxy
 from proxy.boundary.probes.udp import udp_blocked
 from proxy.common.errors import ProxyError
 
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 ROOT = Path(__file__).resolve().parent.parent
 LOOPBACK = "127.0.0.1"
 

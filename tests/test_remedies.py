@@ -19,6 +19,8 @@ from policy import Policy, Reason, compile_policy, load_ceiling, load_manifest
 from policy.remedies import client_remedy, path_prefix, remedy
 from proxy.common.refusals import Refused, refusal_parts, refusal_response
 
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 LOOPBACK = "127.0.0.1"
 YAML = "network:\n  egress: [github.com, up.test]\n"
 TOML = (

@@ -20,6 +20,8 @@ from proxy.app.config import Config, Nameserver
 from proxy.common.errors import ProxyError
 from proxy.net.resolver import MAX_ADDRESSES, Resolver, _Family
 
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 
 class FakeClock:
     def __init__(self) -> None:

@@ -37,6 +37,8 @@ from support.running import (
 from proxy.app.inputs import compile_inputs, read_inputs
 from proxy.app.runtime import Runtime
 
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 MANIFEST = "network:\n  egress: [up.test, other.test]\n"
 CEILING = "tenant: test\negress: [up.test, other.test]\n"
 NARROWED = "tenant: test\negress: [other.test]\n"

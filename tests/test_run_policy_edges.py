@@ -25,6 +25,8 @@ import trustme
 from support.dns_server import DNSServer
 from support.running import HTTPUpstream, RunningProxy, curl, exchange, http_upstream, tcp_server
 
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 LOOPBACK = "127.0.0.1"
 
 

@@ -38,6 +38,8 @@ from support.upstreams import TLS_BODY, TLSUpstream, tls_upstream
 from proxy.cli import main
 from proxy.common.listeners import Listener, parse_listener
 
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 MANIFEST = "network:\n  egress: [tls.test, up.test, private.test, nx.test, slow.test, v6.test]\n"
 HEADER_TIMEOUT = 2  # whole seconds: the config's grain
 CONNECT_TIMEOUT = 2

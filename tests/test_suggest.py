@@ -20,6 +20,8 @@ from support.running import ROOT, RunningProxy, curl, http_upstream, make_config
 from policy import compile_policy, load_manifest
 from policy.suggest import Collector
 
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 HOSTS = ("up.test", "new.test", "api.new.test", "one.other.test", "two.other.test")
 
 

@@ -25,6 +25,8 @@ from proxy.common.errors import ProxyError
 from proxy.tls.bundle import TRUST_VARIABLES, publish, system_roots, trust_environment
 from proxy.tls.ca import ensure_ca
 
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

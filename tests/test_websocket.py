@@ -28,6 +28,8 @@ from wsproto.events import BytesMessage, Ping, Pong, TextMessage
 from policy import compile_policy, load_manifest
 from proxy.common.refusals import DENIED_HEADER
 
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 MANIFEST = "network:\n  egress: [ws.test, private.test]\n"
 
 
