@@ -209,7 +209,7 @@ async def test_refuse_closes_the_tunnel_before_any_upstream_byte(dns: DNSServer,
         assert await closed_by_peer(reader)
         writer.close()
         (close,) = await door.wait_closes(1)
-        await asyncio.sleep(0.05)  # the upstream side sees its close
+        await upstream.wait_closed(1)
         assert upstream.connections == 1  # dialled before the 200...
         assert upstream.received == b""  # ...and never sent a byte
     (denied,) = door.decisions()  # one decision, one line

@@ -360,7 +360,7 @@ async def test_sni_gate_closes_the_tunnel_and_the_upstream_gets_nothing(
         assert await closed_by_peer(reader)
         writer.close()
         (close,) = await door.wait_closes(1)
-        await asyncio.sleep(0.05)  # the upstream side sees its close
+        await upstream.wait_closed(1)
         assert upstream.received == b""  # dialled (eagerly), but never sent a byte
     gate = next(x for x in door.decisions() if x["stage"] == "sni")
     assert (gate["decision"], gate["reason"], gate["sni"], gate["plane"]) == (

@@ -59,6 +59,7 @@ class Upstream:
     requests: list[tuple[str, str | None]] = field(default_factory=list)  # (request line, Host)
     heads: list[str] = field(default_factory=list)  # whole request heads, as received
     connections: int = 0
+    closed: int = 0  # connections whose handler ended (the proxy closed its side)
     received: bytearray = field(default_factory=bytearray)
     port: int = 0
     got_data: asyncio.Event = field(default_factory=asyncio.Event)
@@ -89,6 +90,13 @@ class Upstream:
             pass
         finally:
             writer.close()
+            self.closed += 1
+
+    async def wait_closed(self, count: int, timeout: float = 5.0) -> None:
+        """Until `count` connections have ended on this side (bounded)."""
+        async with asyncio.timeout(timeout):
+            while self.closed < count:
+                await asyncio.sleep(0.01)
 
 
 @contextlib.asynccontextmanager
