@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import trustme
-from transparent_scenario import ORIGINAL_V4, ROOT, Upstream, stop, wait_listening
 
 from support.dns_server import running_dns_server
+from support.transparent_scenario import ORIGINAL_V4, ROOT, Upstream, stop, wait_listening
 
 CURL = "/usr/bin/curl"
 H2C = ("Connection: Upgrade, HTTP2-Settings", "Upgrade: h2c", "HTTP2-Settings: AAMAAABkAAQAAP__")
