@@ -302,7 +302,7 @@ def measure(
     """Everything the run needs, set up on loopback, then every round: the run, the
     configurations that ran, the samples."""
     sys.path.insert(0, str(ROOT / "tests"))
-    from dns_server import running_dns_server
+    from support.dns_server import running_dns_server
 
     tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-")))
     tmp.chmod(0o755)  # a peer that drops privileges (squid) reads its files under here

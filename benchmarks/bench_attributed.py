@@ -3,7 +3,7 @@ one by the proxy's DNS answers, on a transparent listener inside a network names
 creates, beside TLS on the same listener (decided on its SNI).
 
 The namespace has only its loopback interface. In it run a DNS server of the harness's own
-(tests/dns_server.py: bench.test is ADDRESS there), an upstream of the load generator, each
+(tests/support/dns_server.py: bench.test is ADDRESS there), an upstream of the load generator, each
 egress-proxy under test (its usual listeners plus `--listen transparent://127.0.0.1:PORT`,
 resolving with that DNS server) and the clients. Its nftables rules send TCP to ADDRESS, a
 loopback address nothing listens on:
@@ -107,7 +107,7 @@ class Namespace:
 
     name: str
     thread: concurrent.futures.ThreadPoolExecutor
-    dns: Any = None  # tests/dns_server.DNSServer, inside
+    dns: Any = None  # tests/support/dns_server.DNSServer, inside
     upstream: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     transparent_port: int = TRANSPARENT_PORT
 
@@ -120,7 +120,7 @@ class Namespace:
 def namespace(loadgen: Loadgen, directory: Path) -> Iterator[Namespace]:
     """A fresh network namespace with its loopback up, the redirects, a DNS server (bench.test:
     ADDRESS) and an upstream in it; all of it removed on exit."""
-    from dns_server import running_dns_server  # tests/, on the path (bench.measure)
+    from support.dns_server import running_dns_server  # tests/, on the path (bench.measure)
 
     name = f"egress-bench-{uuid.uuid4().hex[:8]}"
     directory.mkdir(parents=True, exist_ok=True)

@@ -140,7 +140,7 @@ class Run:
     settings: Settings
     workloads: Sequence[str]
     tmp: Path
-    dns: Any  # tests/dns_server.DNSServer
+    dns: Any  # tests/support/dns_server.DNSServer
     loadgen: Loadgen
     upstream: Mapping[str, Any]  # {"pid", "tunnel", "opaque", "bulk"}
     targets: Path  # loadgen targets file: bench.test with its ClientHello

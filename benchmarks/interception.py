@@ -16,7 +16,7 @@ front of a keep-alive HTTPS upstream of this script's own (its own process), and
 The figure of record is the proxy's CPU (utime + stime of its process, all threads, from
 /proc/PID/stat) divided by the work; the client and the upstream share the machine's cores, so
 rates understate the proxy and are printed beside it. Names resolve through the test DNS server
-(tests/dns_server.py); nothing leaves 127.0.0.1.
+(tests/support/dns_server.py); nothing leaves 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import h2.exceptions
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from dns_server import running_dns_server  # noqa: E402
+from support.dns_server import running_dns_server  # noqa: E402
 
 BODY = b"x" * 512
 LISTENING = re.compile(r"listening on (\S+):(\d+) ")

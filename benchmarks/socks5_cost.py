@@ -227,7 +227,7 @@ def main() -> None:
         new_loop().run_until_complete(client_main(args))
         return
     sys.path.insert(0, str(ROOT / "tests"))
-    from dns_server import running_dns_server
+    from support.dns_server import running_dns_server
 
     samples: dict[str, list[dict]] = {mode: [] for mode in MODES}
     with (

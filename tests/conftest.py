@@ -2,7 +2,12 @@
 
 The tests never touch the developer's home directory (the inspection CA defaults to
 ~/.local/share/egress-proxy/ca, curl reads ~/.curlrc), for in-process code and the processes the
-tests start alike."""
+tests start alike.
+
+A test that opens a socket (binds or connects one) or starts a process must be marked
+`integration` (tests/README.md), so that `pytest -m "not integration"` stays a quick inner loop:
+an audit hook sees those events on the main thread, and a test that is not marked fails at its
+teardown, naming what it did."""
 
 from __future__ import annotations
 
@@ -10,11 +15,15 @@ import asyncio
 import ipaddress
 import os
 import socket
+import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 
 import pytest
-from dns_server import DNSServer, running_dns_server
+import trustme
+from support.dns_server import DNSServer, running_dns_server
+from support.sandbox import Subnets, session_objects
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -29,6 +38,30 @@ def _isolated_home() -> Iterator[None]:
                 os.environ.pop("HOME", None)
             else:
                 os.environ["HOME"] = previous
+
+
+# Audit events of a socket or a process (docs.python.org: audit events table). A socketpair is
+# neither (every event loop makes one): only what binds, connects or spawns counts.
+OPENING = frozenset({"socket.bind", "socket.connect", "subprocess.Popen", "os.posix_spawn"})
+_opened: list[str] = []
+
+
+def _audit(event: str, args: tuple[object, ...]) -> None:
+    # The main thread only: a server thread left by an earlier test must not blame this one.
+    if event in OPENING and threading.current_thread() is threading.main_thread():
+        _opened.append(event)
+
+
+sys.addaudithook(_audit)  # for the whole run: audit hooks cannot be removed
+
+
+@pytest.fixture(autouse=True)
+def _integration_is_marked(request: pytest.FixtureRequest) -> Iterator[None]:
+    _opened.clear()
+    yield
+    if _opened and request.node.get_closest_marker("integration") is None:
+        events = ", ".join(sorted(set(_opened)))
+        pytest.fail(f"opens sockets or starts processes ({events}): mark it integration")
 
 
 @pytest.fixture
@@ -56,7 +89,7 @@ def resolved_by_os(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 @pytest.fixture
 def dns() -> Iterator[DNSServer]:
-    """A DNS server of the test's own on 127.0.0.1 (tests/dns_server.py); modules that want
+    """A DNS server of the test's own on 127.0.0.1 (tests/support/dns_server.py); modules that want
     names preset override this fixture and ask for it by the same name."""
     with running_dns_server() as server:
         yield server
@@ -75,3 +108,28 @@ def pytest_asyncio_loop_factories(
 
         return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
     return {"asyncio": asyncio.new_event_loop}
+
+
+@pytest.fixture(scope="module")
+def upstream_ca() -> trustme.CA:
+    """The CA of a module's own TLS upstreams (support/tls.py issues their certificates)."""
+    return trustme.CA()
+
+
+# -- sandbox sessions (support/sandbox.py) --------------------------------------------------
+
+
+@pytest.fixture
+def subnets() -> Subnets:
+    """The session's subnets, random in documentation space (v4) and ULA (v6)."""
+    return Subnets.random()
+
+
+@pytest.fixture
+def nothing_left(subnets: Subnets) -> Iterator[None]:
+    """Nothing of the session may be left after the test: the sandbox modules use it on every
+    test (`pytest.mark.usefixtures("nothing_left")` in their pytestmark)."""
+    before = session_objects(subnets)
+    yield
+    left = session_objects(subnets) - before
+    assert not left, f"the session left {sorted(left)}"

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 import pytest_asyncio
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from support.admin import all_ready
 
 from proxy.common.errors import ProxyError
 from proxy.common.listeners import format_listen, parse_listen
@@ -24,15 +25,10 @@ from proxy.decide.asks import AskLimits, Asks
 from proxy.ops.admin import MAX_HEAD_BYTES, AdminServer
 from proxy.ops.readiness import Readiness
 
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 CURL = shutil.which("curl")
 needs_curl = pytest.mark.skipif(CURL is None, reason="curl is not installed")
-
-
-def all_ready() -> Readiness:
-    readiness = Readiness()
-    for name in ("policy_compiled", "listeners_bound", "boundary_verified"):
-        readiness.set(name, True)
-    return readiness
 
 
 def fixed_metrics() -> tuple[bytes, str]:

@@ -14,10 +14,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from dns_server import DNSServer
-from running import LOOPBACK, RunningProxy, curl, http_upstream, metric_value
+import pytest
+from support.dns_server import DNSServer
+from support.running import LOOPBACK, RunningProxy, curl, http_upstream, metric_value
 
 from proxy.ops.admin import MAX_CONNECTIONS
+
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
 
 SILENT = 200
 TRICKLING = 50

@@ -18,10 +18,12 @@ import h2.connection
 import h2.events
 import pytest
 import trustme
-from dns_server import DNSServer
-from running import LOOPBACK, RunningProxy, recv_head, tcp_server, wait_for
+from support.dns_server import DNSServer
+from support.running import LOOPBACK, RunningProxy, recv_head, tcp_server, wait_for
 
 from proxy.decide.clienthello import parse_client_hello
+
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
 
 HOST = "h2.test"
 BODY = b"hello over http/1.1\n"

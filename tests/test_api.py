@@ -3,6 +3,10 @@
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 
 def test_three_lines() -> None:
     from policy import compile_policy, load_manifest

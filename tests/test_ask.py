@@ -1,8 +1,8 @@
 """Asking a person (`egress-proxy run --ask`): a refusal a manifest entry would lift is held on
 its plane until someone answers on the admin listener with the token; everything else is decided
-as ever. The real `egress-proxy run` process (tests/running.py), the tests' own DNS server, and
-real clients (curl, requests, dnspython) on loopback only; a harness answers through the API, a
-person is simulated on `egress-proxy ask`'s terminal. Every wait is bounded.
+as ever. The real `egress-proxy run` process (tests/support/running.py), the tests' own DNS
+server, and real clients (curl, requests, dnspython) on loopback only; a harness answers
+through the API, a person is simulated on `egress-proxy ask`'s terminal. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import trustme
 from dns import message as dnsmessage
 from dns import query as dnsquery
 from dns import rcode as dnsrcode
-from dns_server import DNSServer
-from running import (
+from support.dns_server import DNSServer
+from support.running import (
     CURL,
     LOOPBACK,
     ROOT,
@@ -40,8 +40,10 @@ from running import (
     metric_value,
     wait_for,
 )
-from test_clients import TLS_BODY, TLSUpstream, tls_upstream
-from test_credentials import recording_upstream, tls_context
+from support.tls import tls_context
+from support.upstreams import TLS_BODY, TLSUpstream, recording_upstream, tls_upstream
+
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
 
 MANIFEST = "network:\n  egress: [allowed.test]\n"
 HOSTS = ("allowed.test", "asked.test", "tls.test", "other.test", "cut.test")

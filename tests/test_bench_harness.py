@@ -30,7 +30,9 @@ from typing import Any
 
 import pytest
 import trustme
-from running import tcp_server
+from support.running import tcp_server
+
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))

@@ -33,6 +33,7 @@ IP, NFT = shutil.which("ip"), shutil.which("nft")
 SETPRIV, UNSHARE = shutil.which("setpriv"), shutil.which("unshare")
 
 pytestmark = [
+    pytest.mark.integration,
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create network namespaces"),
     pytest.mark.skipif(IP is None, reason="needs iproute2 (ip)"),
     pytest.mark.skipif(NFT is None, reason="needs nftables (nft)"),
@@ -214,7 +215,7 @@ def pod_and_outside() -> Iterator[Pod]:
                 outside,
                 [
                     sys.executable,
-                    str(ROOT / "tests" / "boundary_observer.py"),
+                    str(ROOT / "tests" / "support" / "boundary_observer.py"),
                     "outside",
                     str(log),
                     OUTSIDE_V4,
@@ -355,7 +356,7 @@ def test_verify_holds_with_the_rules_and_names_every_bypass_without_them() -> No
                 pod.pod,
                 [
                     sys.executable,
-                    str(ROOT / "tests" / "boundary_observer.py"),
+                    str(ROOT / "tests" / "support" / "boundary_observer.py"),
                     "listen",
                     str(served),
                     "0.0.0.0",

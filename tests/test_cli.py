@@ -22,6 +22,8 @@ import pytest
 
 from proxy.cli import main
 
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 _SCRIPT = shutil.which("egress-proxy", path=str(Path(sys.executable).parent))
 COMMAND = [_SCRIPT] if _SCRIPT else [sys.executable, "-m", "proxy"]

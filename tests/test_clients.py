@@ -13,130 +13,24 @@ here can make anything dial beyond loopback.
 
 from __future__ import annotations
 
-import contextlib
 import re
-import socket
-import ssl
 import subprocess
-import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import trustme
-from dns_server import DNSServer, running_dns_server
-from running import OPENSSL, RunningProxy, curl, metric_value, recv_head, wait_for
+from support.dns_server import DNSServer, running_dns_server
+from support.running import OPENSSL, RunningProxy, curl, metric_value, wait_for
+from support.upstreams import TLS_BODY, TLSUpstream, tls_upstream
+
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
 
 MANIFEST = "network:\n  egress: [tls.test, other.test, refused.test]\n"
 # 127.0.0.1 only: 127.0.0.2 stays a refused loopback address.
 ALLOW = ("127.0.0.1/32",)
-TLS_BODY = b"hello over tls\n"
 
 
 # -- a TLS upstream ----------------------------------------------------------------------------
-
-
-@dataclass
-class TLSUpstream:
-    """A TLS server for tls.test on loopback (127.0.0.1, and 127.0.0.2 on the same port, so a
-    dial to a refused loopback address would be seen too). Every accepted TCP connection is
-    counted before any byte is read; `received` counts the bytes that arrived before the
-    handshake (a ClientHello)."""
-
-    ca: trustme.CA
-    ca_file: Path
-    leaf_pem: str
-    port: int = 0
-    connections: int = 0
-    received: int = 0
-    handshakes: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-    _stop: threading.Event = field(default_factory=threading.Event)
-
-    def snapshot(self) -> tuple[int, int]:
-        with self._lock:
-            return self.connections, self.received
-
-    def serve(self, listener: socket.socket, context: ssl.SSLContext) -> None:
-        listener.settimeout(0.1)
-        while not self._stop.is_set():
-            try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            with self._lock:
-                self.connections += 1
-            threading.Thread(target=self._handle, args=(conn, context), daemon=True).start()
-
-    def _handle(self, conn: socket.socket, context: ssl.SSLContext) -> None:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(conn)
-            conn.settimeout(5)
-            try:
-                first = conn.recv(65536, socket.MSG_PEEK)
-                with self._lock:
-                    self.received += len(first)
-                if not first:
-                    return
-                tls = stack.enter_context(context.wrap_socket(conn, server_side=True))
-                with self._lock:
-                    self.handshakes += 1
-                if b"\r\n\r\n" not in recv_head(tls):
-                    return
-                tls.sendall(
-                    b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
-                    % (len(TLS_BODY), TLS_BODY)
-                )
-                with contextlib.suppress(OSError, ssl.SSLError):
-                    tls.unwrap()
-            except (OSError, ssl.SSLError):
-                return  # a client that gave up verification, or a closed tunnel
-
-
-@contextlib.contextmanager
-def tls_upstream(directory: Path) -> Iterator[TLSUpstream]:
-    ca = trustme.CA()
-    leaf = ca.issue_cert("tls.test")
-    ca_file = directory / "ca.pem"
-    ca.cert_pem.write_to_path(str(ca_file))
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    leaf.configure_cert(context)
-    upstream = TLSUpstream(ca, ca_file, leaf.cert_chain_pems[0].bytes().decode())
-    listeners: list[socket.socket] = []
-    for _ in range(20):  # the same free port on 127.0.0.1 and 127.0.0.2
-        first = socket.create_server(("127.0.0.1", 0))
-        port = first.getsockname()[1]
-        try:
-            second = socket.create_server(("127.0.0.2", port))
-        except OSError:
-            first.close()
-            continue
-        listeners = [first, second]
-        upstream.port = port
-        break
-    assert listeners, "no port free on both 127.0.0.1 and 127.0.0.2"
-    threads = [
-        threading.Thread(target=upstream.serve, args=(s, context), daemon=True) for s in listeners
-    ]
-    try:
-        for thread in threads:
-            thread.start()
-        # Both listeners are counted (the harness checks itself), then the counts start at 0.
-        for address in ("127.0.0.1", "127.0.0.2"):
-            socket.create_connection((address, upstream.port), timeout=2).close()
-        wait_for(lambda: upstream.snapshot()[0] == 2, timeout=5, what="the upstream self-check")
-        with upstream._lock:
-            upstream.connections = upstream.received = 0
-        yield upstream
-    finally:
-        upstream._stop.set()
-        for thread in threads:
-            thread.join(timeout=5)
-        for listener in listeners:
-            listener.close()
 
 
 # -- fixtures: one proxy for the module ----------------------------------------------------------

@@ -1,8 +1,9 @@
-"""Credential injection through the real `egress-proxy run` (tests/running.py) with real clients
-(curl; Python's urllib) against loopback upstreams that record what they receive: the upstream of
-the credential's host gets the secret, the agent never sees it, and nothing else does either (the
-proxy's stdout and stderr, the audit log, /metrics, /denials, the CA directory, another upstream
-that got the placeholder). Each secret is a fresh uuid, searched for in every output.
+"""Credential injection through the real `egress-proxy run` (tests/support/running.py) with real
+clients (curl; Python's urllib) against loopback upstreams that record what they receive: the
+upstream of the credential's host gets the secret, the agent never sees it, and nothing else does
+either (the proxy's stdout and stderr, the audit log, /metrics, /denials, the CA directory,
+another upstream that got the placeholder). Each secret is a fresh uuid, searched for in every
+output.
 
 Everything talks to loopback only; the proxy uses the tests' own DNS server; every wait is
 bounded."""
@@ -10,93 +11,29 @@ bounded."""
 from __future__ import annotations
 
 import contextlib
-import http.server
 import signal
 import ssl
-import threading
 import urllib.request
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import requests
 import trustme
-from dns_server import DNSServer
-from running import RunningProxy, curl, make_config, metric_value, wait_for
+from support.dns_server import DNSServer
+from support.running import RunningProxy, curl, make_config, metric_value, wait_for
+from support.tls import tls_context
+from support.upstreams import OK, REDIRECT, Recorded, recording_upstream
+
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
 
 MANIFEST = "network:\n  egress: [api.test, other.test, plain.test]\n"
 PLACEHOLDER = "EGRESS-PLACEHOLDER-api"
-OK = b"ok\n"
-REDIRECT = "/go/"
 
 
 # -- upstreams that record ------------------------------------------------------------------
-
-
-@dataclass
-class Recorded:
-    """What one upstream received: each request's line and header fields, in order."""
-
-    heads: list[tuple[str, list[tuple[str, str]]]] = field(default_factory=list)
-
-    def values(self, name: str) -> list[list[str]]:
-        """Per request, the values of every field `name` (any case)."""
-        return [[v for k, v in fields if k.lower() == name.lower()] for _, fields in self.heads]
-
-    def text(self) -> str:
-        return "\n".join(line + "\n" + repr(fields) for line, fields in self.heads)
-
-
-class _Recording(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def do_GET(self) -> None:
-        recorded: Recorded = self.server.recorded  # type: ignore[attr-defined]
-        recorded.heads.append((self.requestline, list(self.headers.items())))
-        if self.path.startswith(REDIRECT):  # /go/URL: a redirect to URL
-            self.send_response(302)
-            self.send_header("Location", self.path.removeprefix(REDIRECT))
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-            return
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(OK)))
-        self.end_headers()
-        self.wfile.write(OK)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-@contextlib.contextmanager
-def recording_upstream(tls: ssl.SSLContext | None = None) -> Iterator[tuple[int, Recorded]]:
-    """A keep-alive HTTP/1.1 server on 127.0.0.1 (TLS with `tls`) answering every GET with OK."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Recording)
-    server.daemon_threads = True
-    server.recorded = Recorded()  # type: ignore[attr-defined]
-    if tls is not None:
-        server.socket = tls.wrap_socket(server.socket, server_side=True)
-    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
-    thread.start()
-    try:
-        yield server.server_address[1], server.recorded  # type: ignore[attr-defined]
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
-
-
-def tls_context(ca: trustme.CA, *names: str) -> ssl.SSLContext:
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert(*names).configure_cert(context)
-    return context
-
-
-@pytest.fixture(scope="module")
-def upstream_ca() -> trustme.CA:
-    return trustme.CA()
 
 
 @pytest.fixture

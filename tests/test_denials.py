@@ -19,14 +19,16 @@ import pytest_asyncio
 from dns import message as dnsmessage
 from dns import query as dnsquery
 from dns import rcode as dnsrcode
-from dns_server import DNSServer
-from running import LOOPBACK, RunningProxy, curl, http_upstream, wait_for
-from test_admin import all_ready
+from support.admin import all_ready
+from support.dns_server import DNSServer
+from support.running import LOOPBACK, RunningProxy, curl, http_upstream, wait_for
 
 from proxy.decide.events import MAX_FIELD, CloseEvent, DecisionEvent
 from proxy.ops.admin import AdminServer
 from proxy.ops.audit import AuditLog
 from proxy.ops.denials import Denials
+
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
 
 FIELDS = ("seq", "time", "host", "port", "reason", "rule", "message", "plane", "protocol")
 # The fields an entry shares with its audit line (all but `seq`).

@@ -33,6 +33,8 @@ from proxy.cli import main as cli_main
 from proxy.common.errors import ProxyError
 from proxy.tls.bundle import BUNDLE_NAME, CA_NAME, trust_environment
 
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 KUBERNETES = DEPLOY / "kubernetes"

@@ -10,9 +10,9 @@ import json
 from typing import Any
 
 import pytest
-from dns_server import DNSServer
-from running import metric_value
-from test_engine import ExplodingPolicy
+from support.dns_server import DNSServer
+from support.in_process import ExplodingPolicy
+from support.running import metric_value
 
 from policy import Policy, compile_policy, load_manifest
 from policy.reasons import Reason
@@ -35,6 +35,8 @@ from proxy.dns_responder.responder import (
 from proxy.net.resolver import Resolver
 from proxy.ops.audit import AuditLog
 from proxy.ops.metrics import Metrics
+
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
 
 MANIFEST = "network:\n  egress: [ok.test, priv.test, mixed.test, gone.test, empty.test, bad.test]\n"
 CONFIG = """\

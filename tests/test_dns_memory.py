@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from dns import message as dnsmessage
 from dns import query as dnsquery
-from dns_server import DNSServer
-from running import LOOPBACK, RunningProxy, metric_value
+from support.dns_server import DNSServer
+from support.running import LOOPBACK, RunningProxy, metric_value
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 MANIFEST = "network:\n  egress: [ok.test]\n"
 ALLOW = ("192.0.2.0/24", "2001:db8::/32")

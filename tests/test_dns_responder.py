@@ -1,7 +1,7 @@
 """The DNS responder of `egress-proxy run --dns-listen HOST:PORT` as a real process
-(tests/running.py), asked with dnspython over UDP and TCP, v4 and v6, on loopback only. The
-tests' DNS server (tests/dns_server.py) is the proxy's nameserver and logs every query it gets:
-a denied name, and every type but A/AAAA, must never reach it."""
+(tests/support/running.py), asked with dnspython over UDP and TCP, v4 and v6, on loopback only.
+The tests' DNS server (tests/support/dns_server.py) is the proxy's nameserver and logs every
+query it gets: a denied name, and every type but A/AAAA, must never reach it."""
 
 from __future__ import annotations
 
@@ -19,10 +19,12 @@ from dns import message as dnsmessage
 from dns import opcode as dnsopcode
 from dns import query as dnsquery
 from dns import rcode as dnsrcode
-from dns_server import DNSServer, running_dns_server
-from running import LOOPBACK, RunningProxy, make_config, metric_value, wait_for
+from support.dns_server import DNSServer, running_dns_server
+from support.running import LOOPBACK, RunningProxy, make_config, metric_value, wait_for
 
 from proxy.cli import main
+
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
 
 MANIFEST = "network:\n  egress: [ok.test, priv.test, gone.test, other.test, slow.test]\n"
 CEILING = "egress: [ok.test, priv.test, gone.test, other.test, slow.test]\n"

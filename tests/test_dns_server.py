@@ -2,9 +2,9 @@
 with small limits, in process,
 on asyncio's loop and on uvloop's (skipped where uvloop is not installed): a real DnsServer on
 loopback sockets, real dnspython and socket clients, a real Policy and our
-resolver asking the tests' DNS server (tests/dns_server.py), whose `slow.test` never answers, so
-a query for it stays in flight for the resolver's timeout. The same behaviour at the default
-limits, through `egress-proxy run`, is tests/test_dns_responder.py's."""
+resolver asking the tests' DNS server (tests/support/dns_server.py), whose `slow.test` never
+answers, so a query for it stays in flight for the resolver's timeout. The same behaviour at the
+default limits, through `egress-proxy run`, is tests/test_dns_responder.py's."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ import dns.exception
 import dns.message
 import dns.rcode
 import pytest
-from dns_server import DNSServer
-from running import metric_value
+from support.dns_server import DNSServer
+from support.running import metric_value
 
 from policy import compile_policy, load_manifest
 from proxy.app.config import load_config
@@ -37,6 +37,8 @@ from proxy.dns_responder.tcp_listener import MAX_BUFFERED
 from proxy.net.resolver import Resolver
 from proxy.ops.audit import AuditLog
 from proxy.ops.metrics import Metrics
+
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
 
 LOOPBACK = "127.0.0.1"
 RESOLVER_TIMEOUT = 0.6  # how long a query for slow.test stays in flight

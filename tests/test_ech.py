@@ -26,14 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dns_server import DNSServer
-from running import RunningProxy, make_config, metric_value, wait_for
-from test_clienthello import alpn_ext, records, sni_ext, vec8, vec16
-from test_clienthello import handshake as handshake_message
-from test_clienthello import hello_body as build_body
-from test_engine import Upstream, closed_by_peer, serving
-from test_frontdoor import Door, connect, opened, received, trusted_ca
-from test_socks import socks_door
+from support.dns_server import DNSServer
+from support.front_door import Door, opened, received, socks_door
+from support.hellos import alpn_ext, records, sni_ext, vec8, vec16
+from support.hellos import handshake as handshake_message
+from support.hellos import hello_body as build_body
+from support.in_process import Upstream, closed_by_peer, connect, serving
+from support.running import RunningProxy, make_config, metric_value, wait_for
+from support.tls import trusted_ca
 
 from policy.reasons import Reason
 from proxy.app.config import load_config
@@ -43,6 +43,8 @@ from proxy.common.settings import ECH_ALLOW, ECH_REFUSE
 from proxy.decide.clienthello import ENCRYPTED_CLIENT_HELLO, ESNI, parse_client_hello
 from proxy.decide.events import CloseEvent, DecisionEvent
 from proxy.decide.sni_gate import check_hello, read_hello
+
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
 
 MANIFEST = "network:\n  egress: [tls.test, up.test]\n"
 REFUSE = "tls:\n  ech: refuse\n"
@@ -207,7 +209,7 @@ async def test_refuse_closes_the_tunnel_before_any_upstream_byte(dns: DNSServer,
         assert await closed_by_peer(reader)
         writer.close()
         (close,) = await door.wait_closes(1)
-        await asyncio.sleep(0.05)  # the upstream side sees its close
+        await upstream.wait_closed(1)
         assert upstream.connections == 1  # dialled before the 200...
         assert upstream.received == b""  # ...and never sent a byte
     (denied,) = door.decisions()  # one decision, one line

@@ -13,47 +13,37 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import io
-import json
 import logging
 import socket
 import ssl
 import struct
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trustme
-from dns_server import DNSServer
-from running import full_listener, make_config, metric_value
-from test_engine import (
+from support.dns_server import DNSServer
+from support.front_door import Door, opened, received
+from support.hellos import python_hello
+from support.in_process import (
     ExplodingPolicy,
     Upstream,
     answering,
-    client_hello,
     closed_by_peer,
-    free_port,
+    connect,
+    curl,
     serving,
 )
-from test_engine import curl as engine_curl
+from support.real_servers import free_port
+from support.running import full_listener
+from support.tls import tls_context, trusted_ca
 
 from policy import compile_policy, load_manifest
-from proxy.app.config import Config, load_config
-from proxy.common.listeners import Listener
-from proxy.dataplane.frontdoor import FrontDoor
 from proxy.dataplane.heads import MAX_CONNECT_HEAD
-from proxy.decide.interception import engine_needed
-from proxy.decide.vetting import Vetter
-from proxy.l7.engine import Engine
-from proxy.net.resolver import Resolver
-from proxy.ops.audit import AuditLog
-from proxy.ops.metrics import Metrics
 
-MANIFEST = "network:\n  egress: [tls.test, up.test, nx.test, slow.test, other.test]\n"
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 NARROWER = "network:\n  egress: [up.test]\n"
 BODY = b"hello from upstream\n"
 
@@ -69,91 +59,6 @@ def dns(dns: DNSServer) -> DNSServer:
 
 
 # -- the front door ----------------------------------------------------------------------------
-
-
-@dataclass
-class Door:
-    door: FrontDoor
-    port: int  # the listener (named like test_engine's Running, so its curl() takes a Door)
-    dns: DNSServer
-    config: Config
-    audit: io.StringIO
-    metrics: Metrics
-    engines: list[Engine] = field(default_factory=list)  # started on first hand-off
-
-    def lines(self) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in self.audit.getvalue().splitlines()]
-
-    def decisions(self) -> list[dict[str, Any]]:
-        return [x for x in self.lines() if x["event"] == "decision"]
-
-    def closes(self) -> list[dict[str, Any]]:
-        return [x for x in self.lines() if x["event"] == "close"]
-
-    def metric(self, name: str, **labels: str) -> float | None:
-        return metric_value(self.metrics.render()[0].decode(), name, **labels)
-
-    async def wait_closes(self, count: int, timeout: float = 5.0) -> list[dict[str, Any]]:
-        """The close lines, once there are `count` of them."""
-        deadline = time.monotonic() + timeout
-        while len(self.closes()) < count and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        closes = self.closes()
-        assert len(closes) == count, closes
-        return closes
-
-    async def wait_live(self, count: int, timeout: float = 5.0) -> None:
-        deadline = time.monotonic() + timeout
-        while self.door.live != count and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        assert self.door.live == count
-
-
-@contextlib.asynccontextmanager
-async def opened(
-    dns: DNSServer,
-    extra: str = "",
-    *,
-    manifest: str = MANIFEST,
-    source: str = "agent.yaml",
-    **limits: float,
-) -> AsyncIterator[Door]:
-    """A front door on a random loopback port. `extra`: more operator config (YAML); inspection
-    is off unless it says otherwise. `limits`: Limits fields, set directly so that they can be
-    shorter than the config's one-second grain."""
-    if "inspection:" not in extra:
-        extra += "inspection:\n  enabled: false\n"
-    config = load_config(make_config(dns, extra=extra))
-    if limits:
-        config = dataclasses.replace(config, limits=dataclasses.replace(config.limits, **limits))
-    policy = compile_policy(load_manifest(manifest, source=source), None, config.operator)
-    metrics = Metrics()
-    stream = io.StringIO()
-    audit = AuditLog(stream=stream, session="test-session", metrics=metrics)
-    resolver = Resolver.from_config(config)
-    engines: list[Engine] = []
-    lock = asyncio.Lock()
-
-    async def engine() -> Engine:
-        async with lock:
-            if not engines:
-                started = Engine(policy, resolver, config, metrics, audit)
-                await started.start()
-                metrics.engine_loaded(True)
-                engines.append(started)
-            return engines[0]
-
-    if engine_needed(policy, config):
-        await engine()  # as the runtime does: loaded at start when the session can need it
-    vetter = Vetter(policy, resolver, metrics, audit, plane="l4")
-    door = FrontDoor(vetter, config, metrics, audit, engine=engine)
-    try:
-        (bound,) = await door.start([Listener("http", "127.0.0.1", 0)])
-        yield Door(door, bound.port, dns, config, stream, metrics, engines)
-    finally:
-        await door.drain(0)
-        for started in engines:
-            await started.stop()
 
 
 # -- clients and upstreams ---------------------------------------------------------------------
@@ -180,14 +85,6 @@ async def ask(
     return *parse_head(head), reader, writer
 
 
-async def connect(
-    door: Door, authority: str
-) -> tuple[int, dict[str, str], asyncio.StreamReader, asyncio.StreamWriter]:
-    return await ask(
-        door.port, f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode()
-    )
-
-
 async def refusal(port: int, request: bytes) -> tuple[int, dict[str, str], bytes]:
     """A refused request: the answer's status, headers and body; the proxy then closes."""
     status, headers, reader, writer = await ask(port, request)
@@ -197,37 +94,18 @@ async def refusal(port: int, request: bytes) -> tuple[int, dict[str, str], bytes
     return status, headers, body
 
 
-async def curl(door: Door, url: str, *args: str) -> tuple[int, dict[str, str], bytes]:
-    """test_engine's curl through the front door (it only needs the port)."""
-    return await engine_curl(door, url, *args)  # type: ignore[arg-type]
-
-
-async def received(upstream: Upstream, size: int, timeout: float = 5.0) -> bytes:
-    """What a raw upstream received, once it is `size` bytes (or the timeout passed)."""
-    deadline = time.monotonic() + timeout
-    while len(upstream.received) < size and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
-    return bytes(upstream.received)
-
-
 async def open_tunnel(
     door: Door, host: str, upstream: Upstream
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """An allowed tunnel through the SNI gate, its ClientHello arrived upstream."""
     status, _, reader, writer = await connect(door, f"{host}:{upstream.port}")
     assert status == 200
-    hello = client_hello(host)
+    hello = python_hello(host)
     writer.write(hello)
     await writer.drain()
     before = len(upstream.received)
     assert len(await received(upstream, before + len(hello))) >= len(hello)
     return reader, writer
-
-
-def tls_context(ca: trustme.CA, *names: str) -> ssl.SSLContext:
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert(*names).configure_cert(context)
-    return context
 
 
 # -- the fast path: an allowed tunnel ------------------------------------------------------------
@@ -306,7 +184,7 @@ async def test_close_line_counts_the_bytes_of_each_direction(dns: DNSServer) -> 
     async with answering(answer) as port, opened(dns) as door:
         status, _, reader, writer = await connect(door, f"tls.test:{port}")
         assert status == 200
-        hello = client_hello("tls.test")
+        hello = python_hello("tls.test")
         writer.write(hello + b"extra")
         await writer.drain()
         assert await asyncio.wait_for(reader.readexactly(len(answer)), 5) == answer
@@ -337,7 +215,7 @@ async def test_connect_is_answered_only_once_the_upstream_accepted(dns: DNSServe
             listener.settimeout(0)
             accepted, _ = listener.accept()
             with accepted:
-                hello = client_hello("tls.test")
+                hello = python_hello("tls.test")
                 writer.write(hello)
                 await writer.drain()
                 accepted.settimeout(5)
@@ -456,7 +334,7 @@ async def test_upstream_that_never_accepts_is_504(dns: DNSServer) -> None:
 
 def invalid_hello() -> bytes:
     """A real ClientHello with a legacy_session_id length of 64 (over the RFC's 32)."""
-    hello = client_hello("tls.test")
+    hello = python_hello("tls.test")
     assert hello[43] == 32  # after the record (5) and handshake (4) headers, version, random
     return hello[:43] + b"\x40" + hello[44:]
 
@@ -465,8 +343,8 @@ def invalid_hello() -> bytes:
 @pytest.mark.parametrize(
     ("first_bytes", "reason", "sni"),
     [
-        (lambda: client_hello("other.test"), "sni_mismatch", "other.test"),
-        (lambda: client_hello(None), "sni_missing", None),
+        (lambda: python_hello("other.test"), "sni_mismatch", "other.test"),
+        (lambda: python_hello(None), "sni_missing", None),
         (invalid_hello, "invalid_client_hello", None),
     ],
     ids=["sni_mismatch", "sni_missing", "invalid_client_hello"],
@@ -482,7 +360,7 @@ async def test_sni_gate_closes_the_tunnel_and_the_upstream_gets_nothing(
         assert await closed_by_peer(reader)
         writer.close()
         (close,) = await door.wait_closes(1)
-        await asyncio.sleep(0.05)  # the upstream side sees its close
+        await upstream.wait_closed(1)
         assert upstream.received == b""  # dialled (eagerly), but never sent a byte
     gate = next(x for x in door.decisions() if x["stage"] == "sni")
     assert (gate["decision"], gate["reason"], gate["sni"], gate["plane"]) == (
@@ -505,7 +383,7 @@ async def test_client_hello_split_across_many_small_writes_passes(dns: DNSServer
     async with serving(Upstream(raw=True)) as upstream, opened(dns) as door:
         status, _, _, writer = await connect(door, f"tls.test:{upstream.port}")
         assert status == 200
-        hello = client_hello("tls.test")
+        hello = python_hello("tls.test")
         for offset in range(0, len(hello) - 1, 7):
             writer.write(hello[offset : min(offset + 7, len(hello) - 1)])
             await writer.drain()
@@ -524,7 +402,7 @@ async def test_client_hello_split_across_many_small_writes_passes(dns: DNSServer
 async def test_client_hello_with_the_connect_head_passes(dns: DNSServer) -> None:
     # A client may send its ClientHello right behind the CONNECT head, in the same segment.
     async with serving(Upstream(raw=True)) as upstream, opened(dns) as door:
-        hello = client_hello("tls.test")
+        hello = python_hello("tls.test")
         authority = f"tls.test:{upstream.port}"
         status, _, _, writer = await ask(
             door.port, f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode() + hello
@@ -660,7 +538,7 @@ async def test_half_close_passes_through_and_the_upstream_still_answers(dns: DNS
         async with opened(dns) as door:
             status, _, reader, writer = await connect(door, f"tls.test:{port}")
             assert status == 200
-            hello = client_hello("tls.test")
+            hello = python_hello("tls.test")
             writer.write(hello + b"last words")
             await writer.drain()
             writer.write_eof()
@@ -689,18 +567,10 @@ async def test_idle_timeout_closes_an_idle_tunnel(dns: DNSServer) -> None:
         (close,) = await door.wait_closes(1)
     assert 0.3 <= elapsed < 3
     assert close["reason"] == "idle_timeout"
-    assert close["bytes_up"] == len(client_hello("tls.test"))
+    assert close["bytes_up"] == len(python_hello("tls.test"))
 
 
 # -- hand-off to the engine ---------------------------------------------------------------------
-
-
-def trusted_ca(directory: Path) -> tuple[trustme.CA, Path]:
-    """A CA for test upstreams, and the file the proxy is told to trust it with."""
-    ca = trustme.CA()
-    bundle = directory / "upstream-ca.pem"
-    ca.cert_pem.write_to_path(str(bundle))
-    return ca, bundle
 
 
 @pytest.mark.asyncio
@@ -788,7 +658,7 @@ async def test_reload_also_closes_a_tunnel_still_waiting_for_its_client_hello(
         operator = door.door.vetter.policy.operator
         door.door.set_policy(compile_policy(load_manifest(NARROWER), None, operator))
         with contextlib.suppress(ConnectionError):
-            writer.write(client_hello("tls.test"))
+            writer.write(python_hello("tls.test"))
             await writer.drain()
         await asyncio.sleep(0.3)
         assert upstream.received == b""  # today: the ClientHello arrives, the tunnel relays
@@ -880,7 +750,7 @@ async def test_drain_stops_accepting_and_closes_what_remains_after_the_timeout(
     assert door.door.live == 0
     lingered = next(x for x in closes if x["host"] == "tls.test")
     assert lingered["reason"] == "drain_timeout"  # closed by the drain, not by a peer
-    assert lingered["bytes_up"] == len(client_hello("tls.test"))
+    assert lingered["bytes_up"] == len(python_hello("tls.test"))
 
 
 @pytest.mark.asyncio

@@ -4,7 +4,7 @@ TLS certificate from the test's CA on loopback, real grpcio clients through the 
 (hyper-h2) for what neither sends: CONNECT and extended CONNECT inside, a Host header beside
 `:authority`. Every stream is decided as an HTTP/1.1 request is, one audit line per request.
 
-In process, as `egress-proxy run` wires it (tests/test_engine.py `started`): the front door
+In process, as `egress-proxy run` wires it (tests/support/in_process.py `started`): the front door
 decides, vets and SNI-gates each tunnel and hands it to the engine, here because the manifest's
 rules for the host are URL prefixes (`inspection.mode: prefixes`, the default)."""
 
@@ -30,28 +30,31 @@ import h2.connection
 import h2.events
 import pytest
 import pytest_asyncio
-import test_engine
-from dns_server import DNSServer
 from mitmproxy import http
-from test_engine import (
+from support.dns_server import DNSServer
+from support.in_process import (
     CURL,
-    DENIED_HEADER,
-    ERROR_HEADER,
     PROXY_CA,
     UPSTREAM_CA,
     Running,
     Upstream,
-    free_port,
+    intercepted,
+    last_head,
+    serving,
     started,
     tls_serving,
 )
+from support.real_servers import free_port
+from support.tls import tls_context
 
 from policy.reasons import Reason
 from proxy.common.listeners import Listener
-from proxy.common.refusals import Refused
+from proxy.common.refusals import DENIED_HEADER, ERROR_HEADER, Refused
 from proxy.decide.interception import Destination
 from proxy.decide.vetting import Peer
 from proxy.l7.request_checks import check_request, denial, grpc_message
+
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
 
 SERVICE = "test.Echo"
 TIMEOUT = 10.0  # every call and wait of a client below is bounded by it
@@ -379,7 +382,7 @@ async def curl_h2(*args: str) -> tuple[str, int, dict[str, str], bytes]:
     done = await asyncio.to_thread(
         subprocess.run, command, capture_output=True, timeout=15, check=False
     )
-    status, headers = test_engine.last_head(done.stderr)
+    status, headers = last_head(done.stderr)
     body, _, version = done.stdout.rpartition(b"\n")
     return version.decode(), status, headers, body
 
@@ -533,7 +536,7 @@ async def test_http1_requests_mitmproxy_finds_invalid_get_our_answer(
     # the request is never read as a next one).
     port = http1_upstream.port
     async with intercepting(dns, grpc_port, port) as proxy:
-        reader, writer = await test_engine.intercepted(proxy, "paths.test", port)
+        reader, writer = await intercepted(proxy, "paths.test", port)
         writer.write(head.format(authority=f"paths.test:{port}").encode())
         await writer.drain()
         answer = await asyncio.wait_for(reader.read(), TIMEOUT)
@@ -669,10 +672,10 @@ def tls_get(proxy_port: int, port: int, alpns: list[str]) -> tuple[str | None, b
 
 @pytest.mark.asyncio
 async def test_alpn_offers_are_what_the_engine_speaks(dns: DNSServer, grpc_port: int) -> None:
-    context = test_engine.tls_context("paths.test")
+    context = tls_context(UPSTREAM_CA, "paths.test")
     context.set_alpn_protocols(["grpc-exp", "h2", "http/1.1"])  # would pick the first offered
     async with (
-        test_engine.serving(AlpnUpstream(), context) as upstream,
+        serving(AlpnUpstream(), context) as upstream,
         intercepting(dns, grpc_port, upstream.port) as proxy,
     ):
         offered = []

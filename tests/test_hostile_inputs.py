@@ -8,65 +8,17 @@ real process shows what a user would see (an uncaught exception, a traceback on 
 
 from __future__ import annotations
 
-import io
 import json
-import shutil
-import subprocess
-import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.hostile import NUMBERS, VALID_MANIFEST, Run, bytes_file, cli, run
 
-from proxy.cli import main
-
-_SCRIPT = shutil.which("egress-proxy", path=str(Path(sys.executable).parent))
-COMMAND = [_SCRIPT] if _SCRIPT else [sys.executable, "-m", "proxy"]
-
-VALID_MANIFEST = "network:\n  egress: [github.com]\n"
 PNG = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x00\x01\x00\x00\x00\x01\x08\x06\x00\x00\x00"
 FIFTY_MB = 50 * 1024 * 1024
-
-
-@dataclass
-class Run:
-    code: int
-    out: str
-    err: str
-
-
-def cli(*args: str | Path) -> Run:
-    out, err = io.StringIO(), io.StringIO()
-    code = main([str(a) for a in args], out=out, err=err)
-    return Run(code, out.getvalue(), err.getvalue())
-
-
-def run(*args: str | Path, stdin: BinaryIO | None = None, timeout: float = 60) -> Run:
-    done = subprocess.run(
-        [*COMMAND, *(str(a) for a in args)],
-        stdin=subprocess.DEVNULL if stdin is None else stdin,
-        capture_output=True,
-        timeout=timeout,
-        check=False,
-    )
-    return Run(
-        done.returncode,
-        done.stdout.decode("utf-8", "replace"),
-        done.stderr.decode("utf-8", "replace"),
-    )
-
-
-def _bytes(name: str, data: bytes) -> Callable[[Path], Path]:
-    def make(directory: Path) -> Path:
-        path = directory / name
-        path.write_bytes(data)
-        return path
-
-    return make
 
 
 def _sparse(directory: Path) -> Path:
@@ -101,85 +53,46 @@ DEPTH = 10_000
 
 # name -> (maker, what stderr must also say besides "egress-proxy:" and the file name)
 HOSTILE: dict[str, tuple[Callable[[Path], Path], str]] = {
-    "empty": (_bytes("empty.yaml", b""), "empty"),
-    "whitespace": (_bytes("blank.yaml", b"  \n\t\n   \r\n"), "empty"),
-    "png": (_bytes("image.yaml", PNG), "not a text document"),
-    "png_json": (_bytes("image.json", PNG), "not a text document"),
-    "nul": (_bytes("nul.yaml", b"network:\n  egress: [github.com]\n\x00\n"), "NUL"),
-    "nul_toml": (_bytes("nul.toml", b'[network_access]\nallowed = ["a\x00.com"]\n'), "NUL"),
-    "utf16": (_bytes("utf16.yaml", VALID_MANIFEST.encode("utf-16")), ""),
-    "invalid_utf8": (_bytes("latin1.yaml", b"network:\n  egress: [caf\xe9.example]\n"), "UTF-8"),
+    "empty": (bytes_file("empty.yaml", b""), "empty"),
+    "whitespace": (bytes_file("blank.yaml", b"  \n\t\n   \r\n"), "empty"),
+    "png": (bytes_file("image.yaml", PNG), "not a text document"),
+    "png_json": (bytes_file("image.json", PNG), "not a text document"),
+    "nul": (bytes_file("nul.yaml", b"network:\n  egress: [github.com]\n\x00\n"), "NUL"),
+    "nul_toml": (bytes_file("nul.toml", b'[network_access]\nallowed = ["a\x00.com"]\n'), "NUL"),
+    "utf16": (bytes_file("utf16.yaml", VALID_MANIFEST.encode("utf-16")), ""),
+    "invalid_utf8": (
+        bytes_file("latin1.yaml", b"network:\n  egress: [caf\xe9.example]\n"),
+        "UTF-8",
+    ),
     "fifty_mb": (_sparse, str(FIFTY_MB)),
-    "deep_block": (_bytes("deep.yaml", b"- " * DEPTH + b"x\n"), "deep"),
-    "deep_mapping": (_bytes("deepmap.yaml", b"{a: " * DEPTH + b"1" + b"}" * DEPTH), "nest"),
+    "deep_block": (bytes_file("deep.yaml", b"- " * DEPTH + b"x\n"), "deep"),
+    "deep_mapping": (bytes_file("deepmap.yaml", b"{a: " * DEPTH + b"1" + b"}" * DEPTH), "nest"),
     "deep_flow": (
-        _bytes("deepflow.yaml", b"network:\n  egress: " + b"[" * DEPTH + b"]" * DEPTH + b"\n"),
+        bytes_file("deepflow.yaml", b"network:\n  egress: " + b"[" * DEPTH + b"]" * DEPTH + b"\n"),
         "nest",
     ),
-    "deep_json": (_bytes("deep.json", b"[" * DEPTH + b"]" * DEPTH), "deep"),
-    "deep_toml": (_bytes("deep.toml", b"a = " + b"[" * DEPTH + b"]" * DEPTH + b"\n"), "deep"),
-    "billion_laughs": (_bytes("laughs.yaml", _laughs()), "alias"),
+    "deep_json": (bytes_file("deep.json", b"[" * DEPTH + b"]" * DEPTH), "deep"),
+    "deep_toml": (bytes_file("deep.toml", b"a = " + b"[" * DEPTH + b"]" * DEPTH + b"\n"), "deep"),
+    "billion_laughs": (bytes_file("laughs.yaml", _laughs()), "alias"),
     "directory": (_directory, "directory"),
     "missing": (_missing, "No such file"),
-    "top_level_list": (_bytes("list.yaml", b"- network\n- egress\n"), "mapping"),
-    "top_level_scalar": (_bytes("scalar.yaml", b"just some words\n"), "mapping"),
-    "top_level_json_list": (_bytes("list.json", b'["github.com"]'), "mapping"),
-    "yaml_syntax": (_bytes("syntax.yaml", b"network:\n  egress: [github.com\n"), ":3:"),
-    "yaml_tabs": (_bytes("tabs.yaml", b"network:\n\tegress: []\n"), ":2:"),
+    "top_level_list": (bytes_file("list.yaml", b"- network\n- egress\n"), "mapping"),
+    "top_level_scalar": (bytes_file("scalar.yaml", b"just some words\n"), "mapping"),
+    "top_level_json_list": (bytes_file("list.json", b'["github.com"]'), "mapping"),
+    "yaml_syntax": (bytes_file("syntax.yaml", b"network:\n  egress: [github.com\n"), ":3:"),
+    "yaml_tabs": (bytes_file("tabs.yaml", b"network:\n\tegress: []\n"), ":2:"),
     "toml_syntax": (
-        _bytes("syntax.toml", b'[network_access]\nallowed = ["a.com"\nblocked = []\n'),
+        bytes_file("syntax.toml", b'[network_access]\nallowed = ["a.com"\nblocked = []\n'),
         ":3:",
     ),
-    "json_syntax": (_bytes("syntax.json", b'{\n  "network": {"egress": ["a.com",]}\n}'), ":2:"),
-    "yaml_duplicate_key": (_bytes("dup.yaml", b"network: {}\nname: x\nnetwork: {}\n"), ":3:"),
-    "json_duplicate_key": (_bytes("dup.json", b'{"network": {}, "network": {}}'), "duplicate"),
-    "toml_duplicate_key": (_bytes("dup.toml", b"a = 1\na = 2\n"), ":2:"),
-    "two_documents": (_bytes("two.yaml", b"network: {}\n---\nnetwork: {}\n"), ":2:"),
+    "json_syntax": (bytes_file("syntax.json", b'{\n  "network": {"egress": ["a.com",]}\n}'), ":2:"),
+    "yaml_duplicate_key": (bytes_file("dup.yaml", b"network: {}\nname: x\nnetwork: {}\n"), ":3:"),
+    "json_duplicate_key": (bytes_file("dup.json", b'{"network": {}, "network": {}}'), "duplicate"),
+    "toml_duplicate_key": (bytes_file("dup.toml", b"a = 1\na = 2\n"), ":2:"),
+    "two_documents": (bytes_file("two.yaml", b"network: {}\n---\nnetwork: {}\n"), ":2:"),
 }
 
-# Numbers out of bounds (policy/numbers.py), refused wherever a document is read, at the line
-# and column of the number. HUGE has more digits than Python converts to or from text.
-HUGE = b"9" * 5000
-NUMBERS: dict[str, tuple[Callable[[Path], Path], str]] = {
-    "toml_huge_int": (_bytes("int.toml", b"name = 'x'\nsize = " + HUGE + b"\n"), ":2:8:"),
-    "toml_huge_int_in_a_list": (
-        _bytes("list.toml", b'[network_access]\nallowed = ["a.com", ' + HUGE + b"]\n"),
-        ":2:21:",
-    ),
-    # Fewer digits than Python's limit, still far out of range.
-    "toml_4000_digits": (_bytes("int4000.toml", b"size = " + b"9" * 4000 + b"\n"), ":1:8:"),
-    "toml_huge_hex": (_bytes("hex.toml", b"size = 0x" + b"f" * 5000 + b"\n"), ":1:8:"),
-    "toml_2_to_the_64": (_bytes("big.toml", b"size = 18446744073709551616\n"), ":1:8:"),
-    "toml_inf": (_bytes("inf.toml", b"size = -inf\n"), ":1:8:"),
-    "toml_nan": (_bytes("nan.toml", b"size = nan\n"), ":1:8:"),
-    "toml_1e400": (_bytes("e400.toml", b"size = 1e400\n"), ":1:8:"),
-    # Digits in strings, comments and keys before the number are no numbers.
-    "toml_after_strings": (
-        _bytes(
-            "strings.toml",
-            b"# 1e999 " + HUGE + b'\na = "1e999"\nb = """\n' + HUGE + b'\n"""\n'
-            b"c = '" + HUGE + b"'\n12345 = 1\nd = [1, 2, " + HUGE + b"]\n",
-        ),
-        ":8:12:",
-    ),
-    "json_huge_int": (_bytes("int.json", b'{"network": {"egress": [' + HUGE + b"]}}"), ":1:25:"),
-    "json_1e400": (_bytes("e400.json", b'{\n  "size": 1e400\n}'), ":2:11:"),
-    "json_huge_exponent": (_bytes("exp.json", b'{"size": -1e99999999999999}'), ":1:10:"),
-    "json_nan": (_bytes("nan.json", b'{"size": NaN}'), ":1:10:"),
-    "json_infinity": (_bytes("infinity.json", b'{"a": "NaN", "size": -Infinity}'), ":1:22:"),
-    "yaml_huge_int": (_bytes("int.yaml", b"network:\n  egress: [" + HUGE + b"]\n"), ":2:12:"),
-    "yaml_huge_hex": (_bytes("hex.yaml", b"size: 0x" + b"f" * 5000 + b"\n"), ":1:7:"),
-    "yaml_huge_octal": (_bytes("octal.yaml", b"size: 0" + b"7" * 30 + b"\n"), ":1:7:"),
-    "yaml_sexagesimal": (_bytes("sexagesimal.yaml", b"size: 1" + b":59" * 3000 + b"\n"), ":1:7:"),
-    "yaml_underscores": (_bytes("underscores.yaml", b"size: 1" + b"_0" * 60 + b"\n"), ":1:7:"),
-    "yaml_inf": (_bytes("inf.yaml", b"size: -.inf\n"), ":1:7:"),
-    "yaml_nan": (_bytes("nan.yaml", b"size: .NaN\n"), ":1:7:"),
-    "yaml_1e999": (_bytes("e999.yaml", b"size: 1.0e+999\n"), ":1:7:"),
-    "yaml_huge_key": (
-        _bytes("key.yaml", b"network:\n  ? 0x" + b"f" * 5000 + b"\n  : 1\n"),
-        ":2:5:",
-    ),
-}
+# Numbers out of bounds (support/hostile.py), refused wherever a document is read.
 HOSTILE.update(NUMBERS)
 
 # Where a file is read, as argv with {} for the hostile file.
@@ -229,6 +142,7 @@ def test_hostile_file_is_refused_clearly(
     assert_refused(result, hostile, also, json_out=role == "check_json")
 
 
+@pytest.mark.integration  # runs the installed command
 @pytest.mark.parametrize("case", list(HOSTILE))
 def test_hostile_manifest_through_the_installed_command(case: str, tmp_path: Path) -> None:
     make, also = HOSTILE[case]
@@ -236,6 +150,7 @@ def test_hostile_manifest_through_the_installed_command(case: str, tmp_path: Pat
     assert_refused(run("check", hostile), hostile, also)
 
 
+@pytest.mark.integration  # runs the installed command
 @pytest.mark.parametrize("role", ["explain", "ceiling", "config", "classify_config"])
 def test_hostile_file_in_each_role_through_the_installed_command(
     role: str, tmp_path: Path, manifest: Path
@@ -256,6 +171,7 @@ def test_a_fifty_mb_file_is_refused_by_its_size_before_reading(tmp_path: Path) -
     assert result.code == 2
 
 
+@pytest.mark.integration  # runs the installed command
 def test_a_fifty_mb_stdin_is_cut_off(tmp_path: Path) -> None:
     hostile = _sparse(tmp_path)
     with hostile.open("rb") as handle:
@@ -306,6 +222,7 @@ def test_wrong_shapes_inside_a_manifest_exit_0_or_1_with_no_crash(
     assert "internal error" not in result.err
 
 
+@pytest.mark.integration  # runs the installed command
 def test_a_ceiling_with_bad_entries_lists_every_one(tmp_path: Path, manifest: Path) -> None:
     ceiling = tmp_path / "ceiling.yaml"
     ceiling.write_text(
@@ -332,6 +249,7 @@ def test_ceiling_shape_problems(text: str, tmp_path: Path, manifest: Path) -> No
     assert_refused(cli("check", manifest, "--ceiling", ceiling), ceiling, "invalid ceiling")
 
 
+@pytest.mark.integration  # runs the installed command
 def test_a_config_with_unknown_keys_names_them(tmp_path: Path, manifest: Path) -> None:
     config = tmp_path / "config.yaml"
     config.write_text("dns:\n  nameserver: [10.0.0.2]\nlimit:\n  max_connections: 5\n")
@@ -350,6 +268,7 @@ def test_a_config_with_duplicate_keys_is_refused(tmp_path: Path, manifest: Path)
     assert_refused(cli("check", manifest, "--config", config), config, ":2:")
 
 
+@pytest.mark.integration  # runs the installed command
 def test_control_characters_in_a_hostile_key_do_not_reach_the_terminal(tmp_path: Path) -> None:
     path = tmp_path / "agent.yaml"
     path.write_text('network:\n  egress: [github.com]\n  "\\e]0;pwned\\a\\e[2J\\u202e": 1\n')
@@ -362,6 +281,7 @@ def test_control_characters_in_a_hostile_key_do_not_reach_the_terminal(tmp_path:
 # -- big but legitimate ----------------------------------------------------------------------------
 
 
+@pytest.mark.integration  # runs the installed command
 def test_ten_thousand_entries_succeed(tmp_path: Path) -> None:
     entries = "".join(f"    - host{i}.example.com\n" for i in range(10_000))
     path = tmp_path / "agent.yaml"

@@ -13,9 +13,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from dns_server import DNSServer
-from running import RunningProxy, free_port, http_get, listening, make_config, wait_for
-from test_hostile_inputs import COMMAND, HUGE, NUMBERS, VALID_MANIFEST, Run, cli, run
+from support.dns_server import DNSServer
+from support.hostile import COMMAND, HUGE, NUMBERS, VALID_MANIFEST, Run, cli, run
+from support.real_servers import free_port
+from support.running import RunningProxy, http_get, listening, make_config, wait_for
+
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
 
 DIGITS = HUGE.decode()
 # A message may name a number by its ends and length; it never prints thousands of digits.

@@ -2,7 +2,7 @@
 absolute-form requests to the explicit listener, over real loopback sockets, against upstreams
 of the tests' own that record the very bytes they receive; curl where a real client matters.
 
-The proxy runs in-process (tests/test_engine.py's `started`, no inspection) and resolves with
+The proxy runs in-process (tests/support/in_process.py's `started`, no inspection) and resolves with
 the tests' DNS server; its operator config allows 127.0.0.0/8, so loopback upstreams are
 reachable. What is checked: statuses, headers and bodies at the client, bytes at the upstream,
 the audit lines, and which names were (never) resolved.
@@ -22,8 +22,10 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from dns_server import DNSServer
-from test_engine import Running, curl, started
+from support.dns_server import DNSServer
+from support.in_process import Running, curl, started
+
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
 
 MANIFEST = "network:\n  egress: [up.test]\n"
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"

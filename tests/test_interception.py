@@ -17,28 +17,18 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 import trustme
-from dns_server import DNSServer
-from test_engine import (
-    DENIED_HEADER,
-    Running,
-    Upstream,
-    client_hello,
-    closed_by_peer,
-    connect,
-    curl,
-    serving,
-    started,
-)
-from test_socks import curl_socks
+from support.dns_server import DNSServer
+from support.front_door import curl_socks
+from support.hellos import python_hello
+from support.in_process import Running, Upstream, closed_by_peer, connect, curl, serving, started
+from support.tls import tls_context
 
 from proxy.common.errors import ProxyError
 from proxy.common.listeners import Listener
+from proxy.common.refusals import DENIED_HEADER
 from proxy.tls.ca import ensure_ca
 
-
-@pytest.fixture(scope="module")
-def upstream_ca() -> trustme.CA:
-    return trustme.CA()
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
 
 
 @pytest.fixture
@@ -46,12 +36,6 @@ def dns(dns: DNSServer) -> DNSServer:
     dns.set("paths.test", a=["127.0.0.1"])
     dns.set("whole.test", a=["127.0.0.1"])
     return dns
-
-
-def tls_context(ca: trustme.CA, *names: str) -> ssl.SSLContext:
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert(*names).configure_cert(context)
-    return context
 
 
 @contextlib.asynccontextmanager
@@ -211,7 +195,7 @@ async def test_sni_gate_applies_before_interception(
     async with intercepting(dns, tmp_path, upstream_ca, tls_upstream.port) as proxy:
         status, _, reader, writer = await connect(proxy, f"paths.test:{tls_upstream.port}")
         assert status == 200
-        writer.write(client_hello("whole.test"))
+        writer.write(python_hello("whole.test"))
         await writer.drain()
         assert await closed_by_peer(reader)
         writer.close()

@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 from dns import message as dnsmessage
 from dns import query as dnsquery
-from dns_server import DNSServer
-from running import (
+from support.dns_server import DNSServer
+from support.running import (
     CURL,
     HELLO,
     LOOPBACK,
@@ -38,7 +38,9 @@ from running import (
     metric_value,
     wait_for,
 )
-from test_clients import TLS_BODY, TLSUpstream, tls_upstream
+from support.upstreams import TLS_BODY, TLSUpstream, tls_upstream
+
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
 
 MANIFEST = "network:\n  egress: [tls.test, up.test]\n"
 # agent.toml's schema written in YAML (the harness names the file agent.yaml): a URL prefix.

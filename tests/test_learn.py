@@ -1,7 +1,8 @@
 """Learning mode (`egress-proxy run --learn`): what only a manifest entry would allow is let
 through and audited as `would_deny`; everything else holds in full. The policy core's part
-(`Policy.learn`) directly, then the real `egress-proxy run` process (tests/running.py) with the
-tests' own DNS server, real clients (curl, urllib, dnspython, a TLS client) on loopback only.
+(`Policy.learn`) directly, then the real `egress-proxy run` process (tests/support/running.py)
+with the tests' own DNS server, real clients (curl, urllib, dnspython, a TLS client) on loopback
+only.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import trustme
 from dns import message as dnsmessage
 from dns import query as dnsquery
 from dns import rcode as dnsrcode
-from dns_server import DNSServer
-from running import (
+from support.dns_server import DNSServer
+from support.running import (
     LOOPBACK,
     ROOT,
     RunningProxy,
@@ -32,8 +33,8 @@ from running import (
     metric_value,
     wait_for,
 )
-from test_clients import TLS_BODY, TLSUpstream, tls_upstream
-from test_credentials import recording_upstream, tls_context
+from support.tls import tls_context
+from support.upstreams import TLS_BODY, TLSUpstream, recording_upstream, tls_upstream
 
 from policy import OperatorRules, Reason, compile_policy, load_ceiling, load_manifest
 from policy.learning import LEARNABLE
@@ -42,6 +43,8 @@ from proxy.boundary.sandbox.net import AddressPlan, SessionNames
 from proxy.boundary.sandbox.session_proxy import proxy_command
 from proxy.cli import build_parser, main
 from proxy.cli.sandbox import options_from
+
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
 
 # 127.0.0.2 is loopback the operator denies, inside the loopback it otherwise allows.
 CONFIG_EXTRA = "  deny: [127.0.0.2/32]\n"

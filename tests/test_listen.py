@@ -9,12 +9,14 @@ import socket
 from pathlib import Path
 
 import pytest
-from dns_server import DNSServer
-from running import LOOPBACK, RunningProxy, curl, http_upstream, wait_for
+from support.dns_server import DNSServer
+from support.running import LOOPBACK, RunningProxy, curl, http_upstream, wait_for
 
 from proxy.cli import main
 from proxy.common.errors import ProxyError
 from proxy.common.listeners import Listener, check_listeners, parse_dns_listener, parse_listener
+
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
 
 
 def answer(conn: socket.socket) -> bytes:

@@ -18,10 +18,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from dns_server import DNSServer, running_dns_server
-from running import RunningProxy, http_get
+from support.dns_server import DNSServer, running_dns_server
+from support.running import RunningProxy, http_get
 
 from proxy.common.listeners import Listener, OwnListeners, format_listen
+
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
 
 SELF = "network:\n  egress: [self.test]\n"
 # Loopback in every spelling a name may resolve to: the unspecified address is dialled as

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from dns_server import running_dns_server
-from running import RunningProxy, wait_for
+from support.dns_server import running_dns_server
+from support.running import RunningProxy, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 MANIFEST = "network:\n  egress: [up.test]\n"
 BODY = b"ok\n"

@@ -8,8 +8,8 @@ on its SNI.
 The real servers (tests/support/real_servers.py) listen on 127.0.0.1; a relay of ours on the
 host side of the session's veth (bound with IP_FREEBIND before the sandbox creates the
 address) forwards each to its server, and the test's DNS server answers the servers' names
-with that address. COMMAND is tests/sandbox_opaque.sh, as `nobody`. Skips with the reason when
-not root or without a tool."""
+with that address. COMMAND is tests/support/sandbox_opaque.sh, as `nobody`. Skips with the
+reason when not root or without a tool."""
 
 from __future__ import annotations
 
@@ -23,19 +23,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from dns_server import running_dns_server
-from running import make_config
+from support.dns_server import running_dns_server
 from support.real_servers import REPO_README, banner_server, postgres, redis, sshd
+from support.running import make_config
+from support.sandbox import ROOT, SESSION_TIMEOUT, Session, Subnets, finished
 from support.tunnels import direct, forwarding
-from test_sandbox import (
-    ROOT,
-    SESSION_TIMEOUT,
-    Session,
-    Subnets,
-    finished,
-    nothing_left,  # noqa: F401 (an autouse fixture: nothing of the session may be left)
-    subnets,  # noqa: F401 (a fixture)
-)
 
 TOOLS = {
     name: shutil.which(name)
@@ -43,6 +35,8 @@ TOOLS = {
 }
 
 pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.usefixtures("nothing_left"),  # conftest.py: nothing of the session may be left
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create a network namespace"),
     *(
         pytest.mark.skipif(path is None, reason=f"needs {name} on PATH")
@@ -70,7 +64,7 @@ def shared() -> Iterator[Path]:
 def test_ssh_git_psql_and_redis_by_name_inside_the_sandbox(
     tmp_path: Path,
     shared: Path,
-    subnets: Subnets,  # noqa: F811 (the fixture)
+    subnets: Subnets,
 ) -> None:
     host4 = subnets.host4
     servers = tmp_path / "servers"
@@ -96,7 +90,7 @@ def test_ssh_git_psql_and_redis_by_name_inside_the_sandbox(
         os.chown(key, nobody.pw_uid, nobody.pw_gid)
         key.chmod(0o600)
         script = shared / "sandbox_opaque.sh"
-        shutil.copyfile(ROOT / "tests" / "sandbox_opaque.sh", script)
+        shutil.copyfile(ROOT / "tests" / "support" / "sandbox_opaque.sh", script)
         script.chmod(0o755)
         (tmp_path / "agent.yaml").write_text(MANIFEST)
         (tmp_path / "config.yaml").write_text(
@@ -156,7 +150,7 @@ def test_ssh_git_psql_and_redis_by_name_inside_the_sandbox(
 def test_ssh_inside_the_sandbox_where_opaque_streams_are_off_prints_the_reason(
     tmp_path: Path,
     shared: Path,
-    subnets: Subnets,  # noqa: F811 (the fixture)
+    subnets: Subnets,
 ) -> None:
     host4 = subnets.host4
     servers = tmp_path / "servers"

@@ -37,8 +37,8 @@ from typing import Any
 import dns.message
 import dns.query
 import pytest
-from dns_server import DNSServer, running_dns_server
-from running import HTTPUpstream, RunningProxy, http_upstream, tcp_server, wait_for
+from support.dns_server import DNSServer, running_dns_server
+from support.hellos import python_hello
 from support.real_servers import (
     BANNER,
     GIT,
@@ -59,6 +59,7 @@ from support.real_servers import (
     smtp_banner,
     sshd,
 )
+from support.running import HTTPUpstream, RunningProxy, http_upstream, tcp_server, wait_for
 from support.tunnels import (
     Forwarder,
     Refused,
@@ -69,9 +70,10 @@ from support.tunnels import (
     socat_proxy_command,
     socks5_tunnel,
 )
-from test_clienthello import python_hello
 
 from proxy.cli import main
+
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
 
 NAMES = ("git.test", "db.test", "cache.test", "mail.test", "banner.test", "tls.test", "web.test")
 MANIFEST = "network:\n  egress: [" + ", ".join((*NAMES, "git443.test")) + "]\n"

@@ -12,14 +12,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from running import RunningProxy, metric_value
+from support.running import RunningProxy, metric_value
 
 PRLIMIT = shutil.which("prlimit")
 SYSTEMD_SOFT = 1024
 MANIFEST = "network:\n  egress: [up.test]\n"
 HARD = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
 
-pytestmark = pytest.mark.skipif(PRLIMIT is None, reason="util-linux's prlimit is not installed")
+pytestmark = [
+    pytest.mark.integration,  # it starts processes
+    pytest.mark.skipif(PRLIMIT is None, reason="util-linux's prlimit is not installed"),
+]
 
 
 @dataclass

@@ -27,6 +27,8 @@ from proxy.common.errors import ProxyError
 from proxy.l7 import patches
 from proxy.l7.modes import InterceptInstance, InterceptMode
 
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 
 @pytest.mark.parametrize("name", sorted(patches.GUARDED))
 def test_each_guarded_mitmproxy_function_is_as_reviewed(name: str) -> None:

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from dns_server import DNSServer
-from running import tcp_server
+from support.dns_server import DNSServer
+from support.running import tcp_server
 
 from proxy.boundary.probes.dns_query import dns_refused
 from proxy.boundary.probes.privileges import parse_user
@@ -24,6 +24,8 @@ from proxy.boundary.probes.spec import DnsProbe, ProbeSpec, TcpProbe, parse_spec
 from proxy.boundary.probes.tcp import tcp_answered_by_proxy
 from proxy.boundary.probes.udp import udp_blocked
 from proxy.common.errors import ProxyError
+
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
 
 ROOT = Path(__file__).resolve().parent.parent
 LOOPBACK = "127.0.0.1"

@@ -10,6 +10,7 @@ import socket
 from email.message import EmailMessage
 from pathlib import Path
 
+import pytest
 from support.real_servers import (
     BANNER,
     GIT,
@@ -23,6 +24,8 @@ from support.real_servers import (
     smtp_banner,
     sshd,
 )
+
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
 
 
 def gone(pid: int) -> bool:

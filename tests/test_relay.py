@@ -28,6 +28,8 @@ from proxy.net import splice as relay_module
 from proxy.net.relay import Counter, Relay
 from proxy.net.splice import splice_available
 
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 LIMIT = 10.0  # seconds: no single test step may take longer
 BULK = 64 << 20
 NO_SPLICE = pytest.mark.skipif(not splice_available(), reason="os.splice is not available")

@@ -12,13 +12,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from dns_server import DNSServer
-from running import HTTPUpstream, RunningProxy, curl, http_upstream
-from test_run_policy_edges import exchange
+from support.dns_server import DNSServer
+from support.running import HTTPUpstream, RunningProxy, curl, exchange, http_upstream
 
 from policy import Policy, Reason, compile_policy, load_ceiling, load_manifest
 from policy.remedies import client_remedy, path_prefix, remedy
 from proxy.common.refusals import Refused, refusal_parts, refusal_response
+
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
 
 LOOPBACK = "127.0.0.1"
 YAML = "network:\n  egress: [github.com, up.test]\n"

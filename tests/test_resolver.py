@@ -1,4 +1,4 @@
-"""The resolver against a DNS server of our own on loopback (tests/dns_server.py)."""
+"""The resolver against a DNS server of our own on loopback (tests/support/dns_server.py)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,13 @@ import dns.flags
 import dns.message
 import dns.rrset
 import pytest
-from dns_server import DNSServer, running_dns_server
+from support.dns_server import DNSServer, running_dns_server
 
 from proxy.app.config import Config, Nameserver
 from proxy.common.errors import ProxyError
 from proxy.net.resolver import MAX_ADDRESSES, Resolver, _Family
+
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
 
 
 class FakeClock:

@@ -17,16 +17,16 @@ from pathlib import Path
 
 import pytest
 import trustme
-from dns_server import DNSServer
-from running import (
+from support.dns_server import DNSServer
+from support.real_servers import free_port
+from support.running import (
     CURL as CURL_BIN,
 )
-from running import (
+from support.running import (
     HELLO,
     HTTPUpstream,
     RunningProxy,
     curl,
-    free_port,
     http_get,
     http_upstream,
     listening,
@@ -36,6 +36,8 @@ from running import (
 
 from proxy.app.inputs import compile_inputs, read_inputs
 from proxy.app.runtime import Runtime
+
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
 
 MANIFEST = "network:\n  egress: [up.test, other.test]\n"
 CEILING = "tenant: test\negress: [up.test, other.test]\n"

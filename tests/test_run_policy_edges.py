@@ -22,8 +22,10 @@ from pathlib import Path
 
 import pytest
 import trustme
-from dns_server import DNSServer
-from running import HTTPUpstream, RunningProxy, curl, http_upstream, tcp_server
+from support.dns_server import DNSServer
+from support.running import HTTPUpstream, RunningProxy, curl, exchange, http_upstream, tcp_server
+
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
 
 LOOPBACK = "127.0.0.1"
 
@@ -32,23 +34,6 @@ LOOPBACK = "127.0.0.1"
 def upstream() -> Iterator[HTTPUpstream]:
     with http_upstream() as server:
         yield server
-
-
-def exchange(port: int, request: bytes, timeout: float = 5.0) -> bytes:
-    """Send `request` on a fresh connection to the proxy and read until it closes (or the
-    head of a tunnel's answer arrived and nothing follows)."""
-    with socket.create_connection((LOOPBACK, port), timeout=timeout) as conn:
-        conn.sendall(request)
-        got = b""
-        try:
-            while True:
-                chunk = conn.recv(65536)
-                if not chunk:
-                    break
-                got += chunk
-        except TimeoutError:
-            pass
-        return got
 
 
 def head_of(response: bytes) -> tuple[int, dict[str, str]]:

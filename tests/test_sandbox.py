@@ -15,10 +15,8 @@ directory or process. Skips with the reason when not root or without the tools.
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import json
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -36,15 +34,18 @@ from pathlib import Path
 
 import pytest
 import trustme
-from dns_server import DNSServer, running_dns_server
-from running import make_config
-from transparent_scenario import Upstream
+from support.dns_server import DNSServer, running_dns_server
+from support.real_servers import IP_FREEBIND
+from support.running import make_config
+from support.sandbox import ROOT, SESSION_TIMEOUT, Session, Subnets, finished
+from support.transparent_scenario import Upstream
 
-ROOT = Path(__file__).resolve().parent.parent
-TESTS = ROOT / "tests"
+SUPPORT = ROOT / "tests" / "support"  # the scripts a session runs
 TOOLS = {name: shutil.which(name) for name in ("ip", "nft", "curl", "bash", "getent", "setpriv")}
 
 pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.usefixtures("nothing_left"),  # conftest.py: nothing of the session may be left
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create a network namespace"),
     *(
         pytest.mark.skipif(path is None, reason=f"needs {name} on PATH")
@@ -53,74 +54,13 @@ pytestmark = [
 ]
 
 MANIFEST = "network:\n  egress: [allowed.test]\n"
-SESSION_TIMEOUT = 90.0
-IP_FREEBIND, IPV6_FREEBIND = 15, 78  # linux/in.h, linux/in6.h (not in the socket module)
+IPV6_FREEBIND = 78  # linux/in6.h (not in the socket module)
 
 
 # -- what a session leaves behind ----------------------------------------------------------
 
 
-def session_objects(subnets: Subnets) -> set[str]:
-    """Every sandbox namespace, table, link and /etc/netns directory that exists now, and every
-    process (the sandbox, its proxy) that names the test's subnets."""
-    found = set()
-    with contextlib.suppress(OSError):
-        found |= {f"netns:{n}" for n in os.listdir("/run/netns") if n.startswith("egress-sb-")}
-    with contextlib.suppress(OSError):
-        found |= {f"etc:{n}" for n in os.listdir("/etc/netns") if n.startswith("egress-sb-")}
-    links = subprocess.run(
-        [TOOLS["ip"], "-o", "link", "show"], capture_output=True, text=True, timeout=30
-    ).stdout
-    found |= {f"link:{m}" for m in re.findall(r"^\d+: (egsb[0-9a-f]+[hn])\b", links, re.M)}
-    tables = subprocess.run(
-        [TOOLS["nft"], "list", "tables"], capture_output=True, text=True, timeout=30
-    ).stdout
-    found |= {f"table:{m}" for m in re.findall(r"table inet (egress_sb_[0-9a-f]+)", tables)}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError):
-                command = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
-                if subnets.host4.encode() in command or str(subnets.subnet4).encode() in command:
-                    found.add(f"process:{entry}:{command[:120]!r}")
-    return found
-
-
-@pytest.fixture(autouse=True)
-def nothing_left(subnets: Subnets) -> Iterator[None]:
-    before = session_objects(subnets)
-    yield
-    left = session_objects(subnets) - before
-    assert not left, f"the session left {sorted(left)}"
-
-
 # -- the session's subnets and the tests' observers ----------------------------------------
-
-
-@dataclass(frozen=True)
-class Subnets:
-    subnet4: ipaddress.IPv4Network
-    subnet6: ipaddress.IPv6Network
-
-    @classmethod
-    def random(cls) -> Subnets:
-        base = int(ipaddress.IPv4Address("198.51.100.0")) + 4 * secrets.randbelow(64)
-        ula = (0xFD << 120) | (secrets.randbits(56) << 64)
-        return cls(ipaddress.IPv4Network((base, 30)), ipaddress.IPv6Network((ula, 64)))
-
-    @property
-    def host4(self) -> str:
-        return str(self.subnet4.network_address + 1)
-
-    @property
-    def ns4(self) -> str:
-        return str(self.subnet4.network_address + 2)
-
-    @property
-    def host6(self) -> str:
-        return str(self.subnet6.network_address + 1)
-
-    def args(self) -> list[str]:
-        return ["--subnet4", str(self.subnet4), "--subnet6", str(self.subnet6)]
 
 
 @dataclass
@@ -188,11 +128,6 @@ class Observers:
 
 
 @pytest.fixture
-def subnets() -> Subnets:
-    return Subnets.random()
-
-
-@pytest.fixture
 def observers(subnets: Subnets) -> Iterator[Observers]:
     observing = Observers(subnets).start()
     try:
@@ -240,23 +175,6 @@ def world() -> Iterator[World]:
 # -- running a session ---------------------------------------------------------------------
 
 
-@dataclass
-class Session:
-    returncode: int
-    stdout: str
-    stderr: str
-    status: dict
-    audit: list[dict]
-
-    def lines(self) -> dict[str, dict[str, str]]:
-        """COMMAND's `NAME key=value ...` lines."""
-        parsed = {}
-        for line in self.stdout.splitlines():
-            name, *pairs = line.split()
-            parsed[name] = dict(pair.split("=", 1) for pair in pairs if "=" in pair)
-        return parsed
-
-
 def sandbox_command(
     directory: Path, world: World, subnets: Subnets, *args: str, command: list[str]
 ) -> list[str]:
@@ -268,23 +186,6 @@ def sandbox_command(
         "--status-file", str(directory / "status.json"),
         "--audit-log", str(directory / "audit.jsonl"), *args, "--", *command,
     ]  # fmt: skip
-
-
-def finished(directory: Path, done: subprocess.CompletedProcess[str] | tuple) -> Session:
-    returncode, stdout, stderr = (
-        (done.returncode, done.stdout, done.stderr)
-        if isinstance(done, subprocess.CompletedProcess)
-        else done
-    )
-    status_file = directory / "status.json"
-    status = json.loads(status_file.read_text()) if status_file.exists() else {}
-    audit_file = directory / "audit.jsonl"
-    audit = (
-        [json.loads(line) for line in audit_file.read_text().splitlines()]
-        if audit_file.exists()
-        else []
-    )
-    return Session(returncode, stdout, stderr, status, audit)
 
 
 def run_sandbox(directory: Path, world: World, subnets: Subnets, *args: str,
@@ -305,11 +206,11 @@ def writable(world: World) -> Path:
 
 
 def readable_copy(world: World, name: str) -> Path:
-    """A copy of tests/NAME that COMMAND's user can read: the checkout may sit below a directory
-    only root can enter (a fresh clone in `mktemp -d`, mode 0700)."""
+    """A copy of tests/support/NAME that COMMAND's user can read: the checkout may sit below a
+    directory only root can enter (a fresh clone in `mktemp -d`, mode 0700)."""
     copy = world.shared / name
     if not copy.exists():
-        shutil.copyfile(TESTS / name, copy)
+        shutil.copyfile(SUPPORT / name, copy)
         copy.chmod(0o755)
     return copy
 
@@ -394,7 +295,7 @@ def test_root_in_the_namespace_cannot_undo_the_boundary(
     world.dns.clear_log()
     session = run_sandbox(
         tmp_path, world, subnets, "--user", "root",
-        command=[sys.executable, str(TESTS / "sandbox_root_scenario.py"), subnets.host4,
+        command=[sys.executable, str(SUPPORT / "sandbox_root_scenario.py"), subnets.host4,
                  subnets.host6, *observers.args()],
     )  # fmt: skip
     diagnostics = f"stdout:\n{session.stdout}\nstderr:\n{session.stderr}"

@@ -31,6 +31,8 @@ from proxy.boundary.sandbox.outcome import EXIT_PRIVILEGES
 from proxy.cli import build_parser, main
 from proxy.common.errors import ProxyError
 
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 NFT = shutil.which("nft")
 
 

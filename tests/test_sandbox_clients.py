@@ -33,18 +33,10 @@ from pathlib import Path
 
 import pytest
 import trustme
-from dns_server import running_dns_server
-from running import make_config
-from test_sandbox import (
-    IP_FREEBIND,
-    ROOT,
-    SESSION_TIMEOUT,
-    Session,
-    Subnets,
-    finished,
-    nothing_left,  # noqa: F401 (an autouse fixture: nothing of the session may be left)
-    subnets,  # noqa: F401 (a fixture)
-)
+from support.dns_server import running_dns_server
+from support.real_servers import IP_FREEBIND
+from support.running import make_config
+from support.sandbox import ROOT, SESSION_TIMEOUT, Session, Subnets, finished
 
 TOOLS = {
     name: shutil.which(name)
@@ -61,6 +53,8 @@ def _system_pip() -> bool:
 
 
 pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.usefixtures("nothing_left"),  # conftest.py: nothing of the session may be left
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create a network namespace"),
     *(
         pytest.mark.skipif(path is None, reason=f"needs {name} on PATH")
@@ -195,7 +189,7 @@ def shared() -> Iterator[Path]:
 def test_tools_reach_an_intercepted_host_through_the_redirect_trusting_the_bundle(
     tmp_path: Path,
     shared: Path,
-    subnets: Subnets,  # noqa: F811 (the fixture)
+    subnets: Subnets,
 ) -> None:
     ca = trustme.CA()
     upstream_ca = shared / "upstream-ca.pem"
@@ -213,7 +207,7 @@ def test_tools_reach_an_intercepted_host_through_the_redirect_trusting_the_bundl
     plain_server, plain_seen, _ = serve(host4, root, None)
     port, plain_port = tls_server.server_address[1], plain_server.server_address[1]
     script = shared / "sandbox_clients.sh"
-    shutil.copyfile(ROOT / "tests" / "sandbox_clients.sh", script)
+    shutil.copyfile(ROOT / "tests" / "support" / "sandbox_clients.sh", script)
     script.chmod(0o755)
     ca_dir = tmp_path / "proxy-ca"
     try:

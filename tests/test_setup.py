@@ -7,6 +7,10 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
+
 FIND = Path(__file__).resolve().parents[1] / "scripts" / "find-python"
 
 

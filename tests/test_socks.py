@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import ipaddress
 import re
 import socket
@@ -23,35 +22,23 @@ import subprocess
 import threading
 import time
 import types
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
-from dns_server import DNSServer, running_dns_server
-from running import (
-    CURL,
-    RunningProxy,
-    free_port,
-    full_listener,
-    make_config,
-    metric_value,
-    tcp_server,
-    wait_for,
-)
-from test_clienthello import python_hello
-from test_clients import TLS_BODY, TLSUpstream, tls_upstream
+from support.dns_server import DNSServer, running_dns_server
+from support.front_door import socks_door
+from support.hellos import python_hello
+from support.real_servers import free_port
+from support.running import CURL, RunningProxy, full_listener, metric_value, tcp_server, wait_for
+from support.upstreams import TLS_BODY, TLSUpstream, tls_upstream
 
-from policy import compile_policy, load_manifest
-from proxy.app.config import load_config
 from proxy.cli import main
 from proxy.common.listeners import Listener, parse_listener
-from proxy.dataplane.frontdoor import FrontDoor
-from proxy.decide.vetting import Vetter
-from proxy.net.resolver import Resolver
-from proxy.ops.audit import AuditLog
-from proxy.ops.metrics import Metrics
+
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
 
 MANIFEST = "network:\n  egress: [tls.test, up.test, private.test, nx.test, slow.test, v6.test]\n"
 HEADER_TIMEOUT = 2  # whole seconds: the config's grain
@@ -203,18 +190,6 @@ def request(host: str | bytes, port: int, *, command: int = 1, atyp: int | None 
     if atyp is not None:
         address = bytes([atyp]) + address[1:]
     return bytes([5, command, 0]) + address + struct.pack("!H", port)
-
-
-async def curl_socks(port: int, url: str, *args: str) -> tuple[int, bytes, bytes]:
-    """curl through the SOCKS5 listener on `port`, names resolved by the proxy (socks5h):
-    exit code, stdout, stderr."""
-    process = await asyncio.create_subprocess_exec(
-        CURL, "-sS", "--max-time", "5", "--socks5-hostname", f"127.0.0.1:{port}", *args, url,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    out, err = await asyncio.wait_for(process.communicate(), 10)
-    return process.returncode or 0, out, err
 
 
 def curl_from(port: int, socks: int, url: str, *args: str) -> subprocess.CompletedProcess[bytes]:
@@ -659,38 +634,6 @@ def test_over_max_connections_is_closed_without_a_byte(tmp_path: Path, names: DN
 # -- in process: a failure on the path ---------------------------------------------------------
 
 
-@dataclass
-class InProcess:
-    door: FrontDoor
-    port: int
-    audit: io.StringIO
-    metrics: Metrics
-
-
-@contextlib.asynccontextmanager
-async def socks_door(
-    dns: DNSServer, extra: str = "", manifest: str = MANIFEST
-) -> AsyncIterator[InProcess]:
-    """A front door with one SOCKS5 listener, in this process (to break it on purpose, or to
-    read its lines and metrics directly); `extra`: more operator config (YAML)."""
-    config = load_config(make_config(dns, extra=extra))
-    policy = compile_policy(load_manifest(manifest, source="agent.yaml"), None, config.operator)
-    audit_text = io.StringIO()
-    metrics = Metrics()
-    audit = AuditLog(stream=audit_text, session="test-session", metrics=metrics)
-    vetter = Vetter(policy, Resolver.from_config(config), metrics, audit, plane="l4")
-
-    async def no_engine() -> Any:
-        raise AssertionError("a SOCKS5 tunnel never needs the engine here")
-
-    door = FrontDoor(vetter, config, metrics, audit, engine=no_engine)
-    (bound,) = await door.start([Listener("socks5", "127.0.0.1", 0)])
-    try:
-        yield InProcess(door, bound.port, audit_text, metrics)
-    finally:
-        await door.drain(0)
-
-
 def boom(*args: object, **kwargs: object) -> Any:
     raise RuntimeError("boom")
 
@@ -708,7 +651,7 @@ async def socks_exchange(port: int, sent: bytes) -> bytes:
 async def test_an_exception_before_the_reply_is_reply_1(dns: DNSServer) -> None:
     dns.set("up.test", a=["127.0.0.1"])
     with recording() as upstream:
-        async with socks_door(dns) as served:
+        async with socks_door(dns, "", MANIFEST) as served:
             door, port, audit = served.door, served.port, served.audit
             door.set_policy(types.SimpleNamespace(decide=boom, check_addresses=boom))  # type: ignore[arg-type]
             answer = await socks_exchange(port, b"\x05\x01\x00" + request("up.test", upstream.port))
@@ -721,7 +664,7 @@ async def test_an_exception_before_the_reply_is_reply_1(dns: DNSServer) -> None:
 async def test_an_exception_after_the_reply_is_a_close(dns: DNSServer) -> None:
     dns.set("tls.test", a=["127.0.0.1"])
     with recording() as upstream:
-        async with socks_door(dns) as served:
+        async with socks_door(dns, "", MANIFEST) as served:
             door, port, audit = served.door, served.port, served.audit
             door.vetter.allowed = boom  # type: ignore[method-assign]  # the SNI gate's allow line
             sent = b"\x05\x01\x00" + request("tls.test", upstream.port)

@@ -14,11 +14,13 @@ from typing import Any
 
 import pytest
 import yaml
-from dns_server import DNSServer
-from running import ROOT, RunningProxy, curl, http_upstream, make_config
+from support.dns_server import DNSServer
+from support.running import ROOT, RunningProxy, curl, http_upstream, make_config
 
 from policy import compile_policy, load_manifest
 from policy.suggest import Collector
+
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
 
 HOSTS = ("up.test", "new.test", "api.new.test", "one.other.test", "two.other.test")
 

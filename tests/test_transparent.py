@@ -10,38 +10,18 @@ same process, each of which is used too. Skips with the reason when not root or 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import socket
 import subprocess
 import sys
 import uuid
 from pathlib import Path
 
 import pytest
+from support.netns import IP, NFT, needs_namespaces, run
+from support.real_servers import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
-IP, NFT = shutil.which("ip"), shutil.which("nft")
+TESTS = Path(__file__).resolve().parent
 
-pytestmark = [
-    pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create a network namespace"),
-    pytest.mark.skipif(IP is None, reason="needs iproute2 (ip)"),
-    pytest.mark.skipif(NFT is None, reason="needs nftables (nft)"),
-]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run(*args: str, namespace: str | None = None, input: str | None = None) -> str:
-    command = [*([str(IP), "netns", "exec", namespace] if namespace else []), *args]
-    done = subprocess.run(command, input=input, capture_output=True, text=True, timeout=60)
-    if done.returncode != 0:
-        raise AssertionError(f"{' '.join(command)}: {done.stderr or done.stdout}")
-    return done.stdout
+pytestmark = [pytest.mark.integration, *needs_namespaces]
 
 
 @pytest.mark.parametrize("spelling", ["mode", "mixed"])
@@ -64,13 +44,15 @@ table inet egress_test {{
         run(str(NFT), "-f", "-", namespace=namespace, input=rules)
         out = run(
             sys.executable,
-            str(ROOT / "tests" / "transparent_scenario.py"),
+            "-m",
+            "support.transparent_scenario",
             str(proxy_port),
             str(tls_port),
             str(http_port),
             str(tmp_path),
             *(["mixed"] if spelling == "mixed" else []),
             namespace=namespace,
+            cwd=str(TESTS),  # where `support` is a package
         )
     finally:
         subprocess.run([str(IP), "netns", "delete", namespace], capture_output=True, timeout=30)

@@ -14,8 +14,11 @@ import uuid
 from pathlib import Path
 
 import pytest
-from test_transparent import IP, NFT, ROOT, free_port, run
-from test_transparent import pytestmark as pytestmark  # root, ip and nft, or skipped
+from support.netns import IP, NFT, needs_namespaces, run
+from support.real_servers import free_port
+
+TESTS = Path(__file__).resolve().parent
+pytestmark = [pytest.mark.integration, *needs_namespaces]
 
 
 def scenario(tmp_path: Path, mode: str) -> dict:
@@ -33,10 +36,10 @@ table inet egress_test {{
 }}
 """
         run(str(NFT), "-f", "-", namespace=namespace, input=rules)
-        script = ROOT / "tests" / "transparent_interception_scenario.py"
         out = run(
-            sys.executable, str(script), str(proxy_port), str(tls_port), str(tmp_path), mode,
-            namespace=namespace,
+            sys.executable, "-m", "support.transparent_interception_scenario",
+            str(proxy_port), str(tls_port), str(tmp_path), mode,
+            namespace=namespace, cwd=str(TESTS),  # where `support` is a package
         )  # fmt: skip
     finally:
         run(str(IP), "netns", "delete", namespace)

@@ -17,13 +17,15 @@ from pathlib import Path
 
 import pytest
 import trustme
-from dns_server import DNSServer
-from running import RunningProxy
+from support.dns_server import DNSServer
+from support.running import RunningProxy
 
 from proxy.cli import main
 from proxy.common.errors import ProxyError
 from proxy.tls.bundle import TRUST_VARIABLES, publish, system_roots, trust_environment
 from proxy.tls.ca import ensure_ca
+
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
 
 ROOT = Path(__file__).resolve().parent.parent
 

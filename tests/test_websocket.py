@@ -1,6 +1,6 @@
 """WebSocket through the proxy: an upgrade follows the rules of the request that opens it.
 
-The proxy runs in-process on loopback against the test DNS server (tests/test_engine.py's
+The proxy runs in-process on loopback against the test DNS server (tests/support/in_process.py's
 harness: the front door, and the interception engine behind it); the upstream is a wsproto echo
 server of the tests' own and the client is wsproto over a raw connection to the proxy: ws://
 as a client of an explicit HTTP proxy sends it (absolute form), and wss:// inside an intercepted
@@ -17,16 +17,18 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 import pytest_asyncio
-from dns_server import DNSServer
 from mitmproxy import tcp
 from mitmproxy.tcp import TCPMessage
 from mitmproxy.websocket import WebSocketMessage
-from test_engine import PROXY_CA, UPSTREAM_CA, Running, started
-from ws_server import EchoServer, WSClient, serving_echo
+from support.dns_server import DNSServer
+from support.in_process import PROXY_CA, UPSTREAM_CA, Running, started
+from support.ws_server import EchoServer, WSClient, serving_echo
 from wsproto.events import BytesMessage, Ping, Pong, TextMessage
 
 from policy import compile_policy, load_manifest
 from proxy.common.refusals import DENIED_HEADER
+
+pytestmark = pytest.mark.integration  # it opens sockets or starts processes
 
 MANIFEST = "network:\n  egress: [ws.test, private.test]\n"
 

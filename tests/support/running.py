@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dns_server import DNSServer
+from support.dns_server import DNSServer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository (this is tests/support/)
 CURL = "/usr/bin/curl"
 OPENSSL = "/usr/bin/openssl"
 LOOPBACK = "127.0.0.1"
@@ -53,13 +53,6 @@ STOP_TIMEOUT = 15.0
 
 
 # -- small helpers -----------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    """A loopback TCP port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -231,6 +224,23 @@ def curl(
         heads = _parse_heads(head_file.read_bytes().decode("latin-1")) if head_file.exists() else []
         body = body_file.read_bytes().decode("latin-1") if body_file.exists() else ""
     return CurlResult(result.returncode, int(code), int(connect), heads, body, message.strip())
+
+
+def exchange(port: int, request: bytes, timeout: float = 5.0) -> bytes:
+    """Send `request` on a fresh connection to the proxy and read until it closes (or the
+    head of a tunnel's answer arrived and nothing follows)."""
+    with socket.create_connection((LOOPBACK, port), timeout=timeout) as conn:
+        conn.sendall(request)
+        got = b""
+        try:
+            while True:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    break
+                got += chunk
+        except TimeoutError:
+            pass
+        return got
 
 
 # -- upstreams ---------------------------------------------------------------------------------

@@ -3,7 +3,8 @@ created (with nftables rules redirecting 127.0.0.5 and fd00:5::5 to the proxy). 
 lives in that namespace: the DNS server, the upstreams, `egress-proxy run` and the clients.
 Prints one JSON object with what each client saw, for the test to assert on.
 
-    ip netns exec NS python tests/transparent_scenario.py PROXY_PORT TLS_PORT HTTP_PORT DIR [mixed]
+    cd tests && ip netns exec NS python -m support.transparent_scenario \
+        PROXY_PORT TLS_PORT HTTP_PORT DIR [mixed]
 
 The proxy is `run --mode transparent --listen 127.0.0.1:PORT --listen [::1]:PORT`; with `mixed`
 the same process is `run --listen transparent://127.0.0.1:PORT --listen transparent://[::1]:PORT
@@ -25,9 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import trustme
-from dns_server import running_dns_server
 
-ROOT = Path(__file__).resolve().parent.parent
+from support.dns_server import running_dns_server
+from support.real_servers import free_port
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository (this is tests/support/)
 ORIGINAL_V4 = "127.0.0.5"  # redirected by the namespace's nftables rules; nothing is served here
 ORIGINAL_V6 = "fd00:5::5"
 
@@ -136,12 +139,6 @@ def http_get(address: str, port: int, head: str) -> dict[str, Any]:
         return {"ok": True, "status": first.split(" ")[1] if first else None, "denied": denied}
     except OSError as exc:
         return {"ok": False, "error": type(exc).__name__}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def connect_get(proxy_port: int, host: str, port: int, ca: str) -> dict[str, Any]:

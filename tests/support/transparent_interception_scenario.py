@@ -4,7 +4,8 @@ Everything lives in that namespace: the DNS server, a TLS upstream, `egress-prox
 transparent` and the clients (Python's ssl and curl, which know nothing of a proxy). Prints one
 JSON object with what each client saw.
 
-    ip netns exec NS python tests/transparent_interception_scenario.py PROXY_PORT TLS_PORT DIR MODE
+    cd tests && ip netns exec NS python -m support.transparent_interception_scenario \
+        PROXY_PORT TLS_PORT DIR MODE
 
 MODE is the operator's `inspection.mode` (prefixes or all). The manifest allows
 `https://paths.test:TLS_PORT/api/` (path rules: intercepted in both modes) and `whole.test`
@@ -23,8 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import trustme
-from dns_server import running_dns_server
-from transparent_scenario import ORIGINAL_V4, ROOT, Upstream, stop, wait_listening
+
+from support.dns_server import running_dns_server
+from support.transparent_scenario import ORIGINAL_V4, ROOT, Upstream, stop, wait_listening
 
 CURL = "/usr/bin/curl"
 H2C = ("Connection: Upgrade, HTTP2-Settings", "Upgrade: h2c", "HTTP2-Settings: AAMAAABkAAQAAP__")
