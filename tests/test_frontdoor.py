@@ -36,7 +36,7 @@ from support.in_process import (
     serving,
 )
 from support.real_servers import free_port
-from support.running import full_listener
+from support.running import eventually, full_listener
 from support.tls import tls_context, trusted_ca
 
 from policy import compile_policy, load_manifest
@@ -388,7 +388,7 @@ async def test_client_hello_split_across_many_small_writes_passes(dns: DNSServer
             writer.write(hello[offset : min(offset + 7, len(hello) - 1)])
             await writer.drain()
             await asyncio.sleep(0.002)
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # nothing must arrive: a stray byte gets its chance
         assert upstream.received == b""  # nothing relayed before the whole hello passed
         writer.write(hello[-1:] + b"and more")
         await writer.drain()
@@ -660,7 +660,7 @@ async def test_reload_also_closes_a_tunnel_still_waiting_for_its_client_hello(
         with contextlib.suppress(ConnectionError):
             writer.write(python_hello("tls.test"))
             await writer.drain()
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # nothing must arrive: a stray byte gets its chance
         assert upstream.received == b""  # today: the ClientHello arrives, the tunnel relays
         assert await closed_by_peer(reader)
         writer.close()
@@ -732,7 +732,10 @@ async def test_drain_stops_accepting_and_closes_what_remains_after_the_timeout(
         _, finishing_writer = await open_tunnel(door, "up.test", finishing)
         started = time.monotonic()
         drain = asyncio.create_task(door.door.drain(1.0))
-        await asyncio.sleep(0.1)
+
+        # The drain's first step closes the listeners (a probe connection would be one more
+        # client, so the servers are asked instead).
+        await eventually(lambda: not door.door._servers, what="the drain to stop accepting")
         with pytest.raises(ConnectionRefusedError):
             await asyncio.open_connection("127.0.0.1", door.port)
         # A tunnel that ends by itself during the drain ends as usual.

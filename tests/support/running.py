@@ -17,6 +17,7 @@ Everything here talks to loopback only, and every wait is bounded.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import http.server
 import json
@@ -123,6 +124,18 @@ def wait_for(predicate: Callable[[], object], timeout: float = 10.0, what: str =
         if predicate():
             return
         time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout:g}s waiting{' for ' + what if what else ''}")
+
+
+async def eventually(
+    predicate: Callable[[], object], timeout: float = 10.0, what: str = ""
+) -> None:
+    """`wait_for` inside a test's event loop: the loop runs between the polls."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
     raise AssertionError(f"timed out after {timeout:g}s waiting{' for ' + what if what else ''}")
 
 
