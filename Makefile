@@ -40,16 +40,18 @@ lint: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
 
+# The decision core (benchmarks/README.md); `make bench-policy ARGS='--quick --sizes 10,100'`
+# is a check in about a second that it still runs.
 bench-policy: $(STAMP)
-	$(PY) benchmarks/policy_decide.py
+	$(PY) benchmarks/policy_decide.py $(ARGS)
 
 # The benchmark harness (benchmarks/README.md): `make bench-deps` once, then `make bench` (full:
 # every configuration, 3 rounds) or `make bench-quick` (2 rounds of direct, egress-proxy, squid
 # and tinyproxy: under 2 minutes). ARGS passes options on, e.g.
 # `make bench-quick ARGS='--configs direct,egress-proxy,squid --workloads tunnels,http'`. A peer
-# that is not installed is skipped with a note; the load generator (benchmarks/loadgen.c) is
-# compiled with gcc into benchmarks/build/ (OpenSSL's headers add its HTTPS mode). The
-# packages' own services are not used (nor needed).
+# that is not installed is skipped with a note; the load generator
+# (benchmarks/harness/loadgen.c) is compiled with gcc into benchmarks/build/ (OpenSSL's headers
+# add its HTTPS mode). The packages' own services are not used (nor needed).
 BENCH_PACKAGES := squid tinyproxy privoxy wrk nginx-light gcc libssl-dev
 
 bench-deps: $(STAMP)

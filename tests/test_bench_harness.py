@@ -1,19 +1,18 @@
-"""The benchmark harness's own logic (benchmarks/bench*.py, benchmarks/loadgen.c): what a user
-of its report relies on. Peer configurations are checked by the peers themselves (a real start
-and a CONNECT through each, allowed and denied); the C load generator is built and drives a
+"""The benchmark harness's own logic (benchmarks/harness/, its loadgen.c, benchmarks/bench.py): what
+a user of its report relies on. Peer configurations are checked by the peers themselves (a real
+start and a CONNECT through each, allowed and denied); the C load generator is built and drives a
 handful of tunnels (direct, CONNECT, SOCKS5), bulk transfers and HTTPS requests against small
-servers on loopback; egress-proxy's configurations are checked by its own CLI, and one is run
-with every client of the harness; the statistics and the targets on known samples; the HTTP
-verification on made-up wrk results; a missing peer is a note and not an error, and a report
-renders from a run with holes in it. No timing is asserted. Peers that are not installed are
-skipped with the harness's own note, and the C tests without gcc.
+servers on loopback; egress-proxy's configurations are checked by its own CLI, and one is run with
+every client of the harness; the statistics and the targets on known samples; the HTTP verification
+on made-up wrk results; a missing peer is a note and not an error, and a report renders from a run
+with holes in it. No timing is asserted. Peers that are not installed are skipped with the harness's
+own note, and the C tests without gcc.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import json
 import os
 import shutil
@@ -34,21 +33,24 @@ from support.running import tcp_server
 
 pytestmark = pytest.mark.integration  # it opens sockets or starts processes
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-bench = importlib.import_module("bench")
-peers = importlib.import_module("bench_peers")
-stats = importlib.import_module("bench_stats")
-report = importlib.import_module("bench_report")
-loadgen = importlib.import_module("bench_loadgen")
-egress = importlib.import_module("bench_egress")
-context = importlib.import_module("bench_context")
-targets = importlib.import_module("bench_targets")
-summary = importlib.import_module("bench_summary")
-http_bench = importlib.import_module("bench_http")
-dns_bench = importlib.import_module("bench_dns")
-workloads = importlib.import_module("bench_workloads")
-attributed = importlib.import_module("bench_attributed")
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
+# The harness is the package benchmarks.harness, imported from the repository root (not on
+# sys.path under a bare `pytest`).
+sys.path.insert(0, str(ROOT))
+from benchmarks.harness import (  # noqa: E402
+    attributed,
+    context,
+    egress,
+    http_bench,
+    loadgen,
+    peers,
+    report,
+    stats,
+    summary,
+    targets,
+)
+from benchmarks.harness import main as bench  # noqa: E402
 
 GREETING = b"hello from upstream"
 # egress-proxy's bytecode, cached where the harness keeps it (gitignored): a start is not a compile.
@@ -571,7 +573,7 @@ def test_egress_proxy_serves_every_client_of_the_harness(
             (tmp_path / "job.json").write_text(json.dumps(job))
             command = [
                 sys.executable,
-                str(BENCHMARKS / "bench_dns.py"),
+                str(BENCHMARKS / "harness" / "dns_bench.py"),
                 "--job",
                 str(tmp_path / "job.json"),
             ]
@@ -588,7 +590,7 @@ def test_the_dns_client_checks_every_answer(tmp_path: Path, dns: Any) -> None:
     dns.set("elsewhere.test", a=["127.0.0.2"])
     command = [
         sys.executable,
-        str(BENCHMARKS / "bench_dns.py"),
+        str(BENCHMARKS / "harness" / "dns_bench.py"),
         "--job",
         str(tmp_path / "job.json"),
     ]
@@ -790,3 +792,29 @@ def test_report_renders_a_run_with_holes(tmp_path: Path) -> None:
     assert "0 of 0 judged targets met" in text
     assert document["summary"]["tunnels"]["egress-proxy"]["tunnels_per_s_1"] is None
     assert document["summary"]["tunnels"]["egress-proxy"]["latency_p50_ms_vs_direct"] == 5.0
+
+
+def test_the_commands_run_from_anywhere_and_import_nothing_of_the_proxy(tmp_path: Path) -> None:
+    """`benchmarks/bench.py` and `python -m benchmarks.harness` are one command; from another
+    directory the script still finds its package. The harness measures the proxy from outside:
+    none of its modules (the scale workload's generator included) imports policy/ or proxy/."""
+    for command, cwd in (
+        [[sys.executable, str(BENCHMARKS / "bench.py"), "--help"], tmp_path],
+        [[sys.executable, "-m", "benchmarks.harness", "--help"], ROOT],
+    ):
+        result = subprocess.run(
+            command, capture_output=True, text=True, timeout=60, check=False, cwd=cwd
+        )
+        assert result.returncode == 0 and "--workloads" in result.stdout, result.stderr
+    modules = [path.stem for path in (BENCHMARKS / "harness").glob("*.py")]
+    code = (
+        "import importlib, sys; sys.path.insert(0, sys.argv[1]);"
+        "[importlib.import_module('benchmarks.harness.' + m) for m in sys.argv[2:]];"
+        "from benchmarks.harness.rounds import scale_manifest; scale_manifest(20);"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('policy', 'proxy')))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(ROOT), *(m for m in modules if m != "__main__")],
+        capture_output=True, text=True, timeout=60, check=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.stdout.strip() == "[]"

@@ -499,7 +499,7 @@ def test_containerfile_runs_as_the_proxy_uid_with_nftables() -> None:
     runs = [rest for instruction, rest in steps if instruction == "RUN"]
     installs = [shlex.split(r) for r in runs if "apt-get install" in r]
     assert any("nftables" in words for words in installs), "nftables is not installed"
-    assert any("pip install ." in r for r in runs), "the package from this repo is not installed"
+    assert any("scripts/install-wheel" in r for r in runs), "the package is not installed"
     assert any(f"--uid {uid}" in r for r in runs), "the USER is not created in the image"
     (entrypoint,) = [rest for instruction, rest in steps if instruction == "ENTRYPOINT"]
     assert json.loads(entrypoint) == ["egress-proxy"]

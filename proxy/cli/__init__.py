@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import NoReturn, TextIO
 
 from policy import PolicyError
+from proxy import __version__
 from proxy.cli.ask import add_ask_parser, cmd_ask
 from proxy.cli.boundary import add_boundary_parser, cmd_boundary
 from proxy.cli.check import add_check_parsers, cmd_check, cmd_classify, cmd_explain
@@ -42,6 +43,8 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="egress-proxy", description="Session-scoped egress enforcement proxy.")
+    # What an installer (pipx, uv tool) or an image is checked with: the installed release.
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     add_check_parsers(sub)

@@ -18,15 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import bench_egress as egress
-import bench_peers as peers
-from bench_attributed import attributed_workload
-from bench_context import Run, Running
-from bench_dns import HOST, LOOPBACK, dns_listen_workload, resolver_phase
-from bench_http import http_problems, http_workload
-from bench_proc import descendants, memory, proc_cpu
-from bench_stats import latency_summary
-from bench_workloads import (
+from . import egress, peers
+from .attributed import attributed_workload
+from .context import Run, Running
+from .dns_bench import HOST, LOOPBACK, dns_listen_workload, resolver_phase
+from .http_bench import http_problems, http_workload
+from .proc import descendants, memory, proc_cpu
+from .stats import latency_summary
+from .workloads import (
     bulk_workload,
     checkpoint,
     inspect_workload,
@@ -38,7 +37,7 @@ from bench_workloads import (
 )
 
 DOMAINS = (HOST,)  # every peer's allow-list: the name and its subdomains, as egress: [bench.test]
-SCALE_SEED = 20_240_501  # the hostname stream of benchmarks/policy_decide.py
+SCALE_SEED = 20_240_501  # the hostname stream of benchmarks/policy_decide.py (decisions/)
 SESSION_START_WORKERS = 2  # proxies started at once in the sessions workload (2 CPUs here)
 
 
@@ -214,10 +213,10 @@ def main_round(run: Run, config: str, n: int) -> dict[str, Any]:
 
 def scale_manifest(size: int) -> str:
     """`egress:` with bench.test and size - 1 other names (policy_decide.py's generator)."""
-    import policy_decide
+    from ..decisions.generate import hostnames, take, yaml_manifest
 
-    stream = policy_decide.hostnames(SCALE_SEED, avoid=frozenset({HOST}))
-    return policy_decide.yaml_manifest([HOST, *policy_decide.take(stream, size - 1)])
+    stream = hostnames(SCALE_SEED, avoid=frozenset({HOST}))
+    return yaml_manifest([HOST, *take(stream, size - 1)])
 
 
 def scale_round(run: Run, size: int, n: int) -> dict[str, Any]:

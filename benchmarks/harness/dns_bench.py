@@ -1,7 +1,8 @@
 """DNS through egress-proxy: queries to its DNS listener (`--dns-listen`), and the cost of its
 own resolver to tunnels with a cold and a warm cache.
 
-The listener's client is this script run as a process (`bench_dns.py --job FILE`): dnspython
+The listener's client is this script run as a process (`dns_bench.py --job FILE`; its
+client half imports nothing of the package, so it runs as a plain script): dnspython
 builds every query and parses every answer, one query in flight over UDP; it speaks the load
 generator's ready/go lines. The cold/warm workload uses loadgen.c with a targets file of fresh
 names (every one new to the proxy, answered by the harness's DNS server on 127.0.0.1).
@@ -112,7 +113,7 @@ def dns_listen_workload(run: Any, proxy: Any, directory: Path, n: int) -> dict[s
     """Queries to the proxy's DNS listener: `dnsq_cold` fresh names once each (untimed; they
     pass through the proxy's resolver), then `dnsq_count` queries of bench.test (or `dnsq_s`).
     Proxy CPU per query, queries/s, latency."""
-    from bench_loadgen import figures, run_phase
+    from .loadgen import figures, run_phase
 
     s = run.settings
     cold = [f"q{i}.r{n}.{proxy.name}.dnsq.{HOST}" for i in range(s.dnsq_cold)]
@@ -130,7 +131,7 @@ def dns_listen_workload(run: Any, proxy: Any, directory: Path, n: int) -> dict[s
 
 def lookup_metric(proxy: Any) -> tuple[float, float] | None:
     """(sum, count) of the proxy's egress_dns_lookup_seconds{outcome="ok"}, when it exports it."""
-    from bench_proc import http_get
+    from .proc import http_get
 
     try:
         body = http_get(proxy.admin_port, "/metrics")[1].decode(errors="replace")
@@ -144,8 +145,8 @@ def resolver_phase(run: Any, proxy: Any, directory: Path, names: list[str]) -> d
     """One tunnel per name in `names`, one at a time, through the proxy: what its resolver
     adds. Also how many queries reached the harness's DNS server, and the proxy's own lookup
     time where it exports it."""
-    from bench_loadgen import write_targets
-    from bench_workloads import tunnel_phase
+    from .loadgen import write_targets
+    from .workloads import tunnel_phase
 
     targets = write_targets(directory / f"dns-{len(set(names))}-{names[0]}.bin", names)
     queries0 = len(run.dns.queries)
@@ -172,7 +173,7 @@ def resolver_phase(run: Any, proxy: Any, directory: Path, names: list[str]) -> d
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(description="the DNS listener's client (of bench.py)")
+    parser = argparse.ArgumentParser(description="the DNS listener's client (of the harness)")
     parser.add_argument("--job", type=Path, required=True)
     args = parser.parse_args(argv)
     return query_main(json.loads(args.job.read_text()))

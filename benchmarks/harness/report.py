@@ -1,8 +1,8 @@
 """REPORT.md and the PNG plots of a benchmark harness run, from its bench.json.
 
-    .venv/bin/python benchmarks/bench_report.py benchmarks/results/bench.json [--out DIR]
+    .venv/bin/python -m benchmarks.harness.report benchmarks/results/bench.json [--out DIR]
 
-benchmarks/bench.py calls `write()` at the end of a run; this script writes them again from a
+The harness (main.py) calls `write()` at the end of a run; this script writes them again from a
 saved run (e.g. after a change to the report). Plots need matplotlib (`make bench-deps`, the
 `bench` extra); without it the report says so and has the tables only.
 """
@@ -342,7 +342,7 @@ def inspect_section(summary: Mapping[str, Row]) -> list[str]:
 def memory_section(
     memory: Mapping[str, Row], sessions: Mapping[str, Row], wanted: int
 ) -> list[str]:
-    from bench_summary import CHECKPOINTS
+    from .summary import CHECKPOINTS
 
     head = ["", "ready s", "first CONNECT s", "start-up CPU s"]
     head += [f"RSS MB {c.replace('_', ' ')}" for c in CHECKPOINTS]
@@ -426,7 +426,7 @@ def configurations(document: Mapping[str, Any]) -> list[str]:
 
 
 def render(document: Mapping[str, Any], plots: Sequence[str], plot_note: str | None) -> str:
-    from bench_method import method
+    from .method import method
 
     m = document["machine"]
     s = document["settings"]
@@ -524,7 +524,7 @@ def write(document: Mapping[str, Any], out: Path) -> str:
     plots: list[str] = []
     note = None
     try:
-        from bench_plots import plot_all
+        from .plots import plot_all
 
         plots = plot_all(document, out)
     except ImportError:
@@ -537,8 +537,8 @@ def write(document: Mapping[str, Any], out: Path) -> str:
 def resummarised(document: Mapping[str, Any]) -> dict[str, Any]:
     """The summary computed again from the run's samples (the report follows the harness's
     current summary, never a mix of runs)."""
-    from bench_egress import EgressConfig
-    from bench_summary import summaries
+    from .egress import EgressConfig
+    from .summary import summaries
 
     egress = {}
     for name, fields in document.get("egress_configs", {}).items():
@@ -564,7 +564,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         text = write(document, args.out or args.json.parent)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         print(
-            f"bench_report: cannot report {args.json}: {type(exc).__name__}: {exc}", file=sys.stderr
+            f"benchmarks.harness.report: cannot report {args.json}: {type(exc).__name__}: {exc}",
+            file=sys.stderr,
         )
         return 2
     print(text)
@@ -572,5 +573,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     sys.exit(main())

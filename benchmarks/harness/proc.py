@@ -22,7 +22,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
+# Where a run writes (bench.json, REPORT.md, plots) and keeps its scratch files (tmp/, gitignored).
+RESULTS = ROOT / "benchmarks" / "results"
 LOOPBACK = "127.0.0.1"
 MB = 1_000_000  # decimal: MB/s and memory MB
 CLK_TCK = os.sysconf("SC_CLK_TCK")

@@ -1,5 +1,5 @@
-"""The load generators: benchmarks/loadgen.c built with the machine's gcc, its targets files,
-its upstream process, and one client phase (any client that speaks the ready/go lines).
+"""The load generators: loadgen.c (beside this file) built with the machine's gcc, its targets
+files, its upstream process, and one client phase (any client that speaks the ready/go lines).
 
 The binary goes to benchmarks/build/ (gitignored) and is rebuilt when the source, the compiler
 or the flags change (a stamp holds their digest). With OpenSSL's headers it is built with TLS
@@ -26,12 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench_proc import cpu_deltas, read_cpus
-from bench_stats import latency_summary
+from .proc import cpu_deltas, read_cpus
+from .stats import latency_summary
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "loadgen.c"
-BUILD = HERE / "build"
+BUILD = HERE.parent / "build"  # benchmarks/build/, gitignored
 BINARY = BUILD / "loadgen"
 CFLAGS = ("-O2", "-Wall", "-Wextra", "-pthread")
 TLS_FLAGS = ("-DBENCH_TLS",)
@@ -87,7 +87,7 @@ def build(compiler: str | None = None) -> Loadgen:
     if compiler is None:
         raise Unavailable(
             "gcc is not installed: the harness compiles its C load generator "
-            "(benchmarks/loadgen.c) with it (`apt-get install gcc`)"
+            "(benchmarks/harness/loadgen.c) with it (`apt-get install gcc`)"
         )
     BUILD.mkdir(exist_ok=True)
     stamp = BUILD / "loadgen.stamp"
@@ -107,7 +107,7 @@ def build(compiler: str | None = None) -> Loadgen:
                 stamp.write_text(json.dumps({"digest": digest, "tls": tls}) + "\n")
                 return _loaded(tls)
             if not tls:
-                raise Unavailable(f"benchmarks/loadgen.c does not compile:\n{complaint}")
+                raise Unavailable(f"benchmarks/harness/loadgen.c does not compile:\n{complaint}")
     raise AssertionError("unreachable")
 
 

@@ -16,9 +16,9 @@ import subprocess
 import time
 from typing import Any
 
-import bench_peers as peers
-from bench_context import Run, Running
-from bench_proc import LOOPBACK, children_cpu, proc_cpu
+from . import peers
+from .context import Run, Running
+from .proc import LOOPBACK, children_cpu, proc_cpu
 
 HOST = "bench.test"
 CONNECTIONS = 16

@@ -35,7 +35,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench_proc import accepts, connect_accepted, race_probes, stop_child
+from .proc import accepts, connect_accepted, race_probes, stop_child
 
 LOOPBACK = "127.0.0.1"
 PEERS = ("tinyproxy", "privoxy", "squid", "mitmdump")

@@ -8,11 +8,11 @@ import datetime
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import bench_targets
-from bench_context import Settings
-from bench_egress import EgressConfig
-from bench_proc import command
-from bench_stats import median, ratios_by_round, summarise
+from . import targets
+from .context import Settings
+from .egress import EgressConfig
+from .proc import command
+from .stats import median, ratios_by_round, summarise
 
 Figures = dict[str, tuple[str, ...]]
 LEVELS = (1, 16, 64)
@@ -195,8 +195,8 @@ def summaries(
     )
     sessions = out["sessions"] if samples.get("sessions") else None
     out["opaque_check"] = opaque_checks(main, egress)
-    out["targets"] = bench_targets.evaluate(main, egress, sessions)
-    out["ab"] = bench_targets.ab(main, egress)
+    out["targets"] = targets.evaluate(main, egress, sessions)
+    out["ab"] = targets.ab(main, egress)
     return out
 
 

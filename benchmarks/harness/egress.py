@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from bench_proc import (
+
+from .proc import (
     LOOPBACK,
     ROOT,
     answers_200,

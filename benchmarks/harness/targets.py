@@ -11,8 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bench_egress import EgressConfig
-from bench_stats import dig, median, number, ratios_by_round
+from .egress import EgressConfig
+from .stats import dig, median, number, ratios_by_round
 
 Samples = Sequence[Mapping[str, Any]]
 

@@ -1,6 +1,6 @@
 """The load-generator workloads of a round: new tunnels (CONNECT or SOCKS5; a TLS ClientHello
 or an opaque stream's first flight), bulk, and HTTPS through an intercepting proxy, each by
-benchmarks/loadgen.c; and the memory checkpoint
+benchmarks/harness/loadgen.c; and the memory checkpoint
 between them. Every phase reports the proxy's CPU per unit of work (utime + stime from /proc,
 all threads) beside the load generator's own (client and upstream or origin)."""
 
@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_context import GIB, Run, Running
-from bench_loadgen import client_args, figures, per_unit, run_phase, write_targets
-from bench_proc import MB, memory
+from .context import GIB, Run, Running
+from .loadgen import client_args, figures, per_unit, run_phase, write_targets
+from .proc import MB, memory
 
 SOCKET_TIMEOUT_S = 10.0  # a tunnel (or a socket call of bulk) taking longer is an error
 LIMIT_SLACK_S = 30.0  # past the phase's own bound, the client process is killed

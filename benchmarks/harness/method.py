@@ -25,7 +25,7 @@ def method(document: Mapping[str, Any]) -> list[str]:
         "of the proxy process from /proc/PID/stat over the phase (all threads), from the "
         "release of the load generator to 0.2 s after its result; every proxy runs as one "
         "process (checked each round).",
-        "- Load generators: benchmarks/loadgen.c, built by the harness with gcc (epoll for "
+        "- Load generators: benchmarks/harness/loadgen.c, built by the harness with gcc (epoll for "
         "tunnels, a thread per tunnel for bulk and HTTPS), and its own upstream (epoll; it "
         "answers one byte once it has read the whole ClientHello record); wrk for plain HTTP "
         "against nginx; dnspython for the DNS listener. A tunnel's ClientHello is what Python's "
@@ -84,7 +84,7 @@ def method(document: Mapping[str, Any]) -> list[str]:
         "each polled every 2 ms on a thread of its own. egress-proxy's listeners are on ports "
         "the harness picked, so nothing is read from its output.",
         f"- Scale: egress-proxy with {', '.join(f'{n:,}' for n in s['scale_sizes'])} `egress` "
-        f"names (benchmarks/policy_decide.py's generator), {s['scale_rounds']} round(s), "
+        f"names (benchmarks/decisions/generate.py), {s['scale_rounds']} round(s), "
         f"{s['scale_count']} sequential tunnels each.",
         f"- The proxy's resolver: {s['dns_count']} sequential tunnels to fresh names (each new "
         "to the proxy: cold), then as many to one resolved name (warm); the harness's DNS "

@@ -39,11 +39,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import bench_egress as egress
-from bench_context import Run
-from bench_loadgen import Loadgen, upstream
-from bench_proc import LOOPBACK
-from bench_workloads import opaque_route, tunnels_workload
+from . import egress
+from .context import Run
+from .loadgen import Loadgen, upstream
+from .proc import LOOPBACK
+from .workloads import opaque_route, tunnels_workload
 
 HOST = egress.HOST
 ADDRESS = "127.0.0.5"  # bench.test inside the namespace: redirected, never listened on

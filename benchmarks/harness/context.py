@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from bench_egress import EgressConfig, write_inputs
-from bench_loadgen import Loadgen
-from bench_peers import OriginTLS, PeerStatus, Served
+from .egress import EgressConfig, write_inputs
+from .loadgen import Loadgen
+from .peers import OriginTLS, PeerStatus, Served
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -121,7 +121,7 @@ QUICK = dataclasses.replace(
 
 
 class Running(Protocol):
-    """A proxy under test: egress-proxy (bench_egress.EgressProxy) or a peer (Served)."""
+    """A proxy under test: egress-proxy (egress.EgressProxy) or a peer (Served)."""
 
     name: str
     port: int  # the HTTP proxy port
@@ -154,7 +154,7 @@ class Run:
     wrk: str | None = None
     opaque_targets: Path | None = None  # bench.test with an SSH identification line instead
     log: Callable[[str], None] = print
-    # The attributed workload's network namespace (bench_attributed.Namespace), when it runs.
+    # The attributed workload's network namespace (attributed.Namespace), when it runs.
     namespace: Any = None
     problems: list[str] = dataclasses.field(default_factory=list)
 

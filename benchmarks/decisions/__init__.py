@@ -1,0 +1,1 @@
+"""The parts of benchmarks/policy_decide.py: generate, measure, report."""
