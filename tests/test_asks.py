@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
+from support.running import eventually
 
 from policy.asking import ALLOW_SESSION, Question
 from proxy.app.ask_token import read_or_create_token
@@ -34,7 +35,7 @@ def test_identical_questions_share_one_ask_and_a_grant_is_made() -> None:
         question = Question("a.test", 443)
         first = asyncio.ensure_future(hold(asks, question))
         second = asyncio.ensure_future(hold(asks, question))
-        await asyncio.sleep(0.01)
+        await eventually(lambda: asks.held == 2, what="both held")
         (pending,) = asks.pending()
         assert pending["held"] == 2 and asks.holding("a.test:443")
         done = asks.answer(pending["id"], ALLOW_SESSION)
@@ -54,20 +55,20 @@ def test_caps_timeout_reconsider_and_a_waiter_that_leaves() -> None:
     async def main() -> None:
         asks = Asks(AskLimits(timeout=0.2, max_pending=1, max_held=2))
         waiting = asyncio.ensure_future(hold(asks, Question("a.test", 443)))
-        await asyncio.sleep(0.01)
+        await eventually(lambda: asks.held == 1, what="the first held")
         assert await hold(asks, Question("b.test", 443)) == ("overloaded", None)
         assert (await waiting)[0] == "timeout"
         # A reload that no longer leaves it to a person ends the ask.
         kept = asyncio.ensure_future(hold(asks, Question("a.test", 443)))
-        await asyncio.sleep(0.01)
+        await eventually(lambda: asks.held == 1, what="held again")
         assert asks.reconsider(lambda target: True) == 0
         assert asks.reconsider(lambda target: False) == 1
         assert (await kept)[0] == "reload"
         # A waiter that is cancelled (its client went away) is forgotten; the ask stays.
         gone = asyncio.ensure_future(hold(asks, Question("c.test", 443), "c.test:443"))
-        await asyncio.sleep(0.01)
+        await eventually(lambda: asks.held == 1, what="held")
         gone.cancel()
-        await asyncio.sleep(0.01)
+        await eventually(lambda: asks.held == 0, what="the waiter forgotten")
         (pending,) = asks.pending()
         assert pending["held"] == 0 and asks.held == 0
 
@@ -79,7 +80,7 @@ def test_the_stream_queue_and_an_ask_line() -> None:
         asks = Asks(AskLimits(timeout=5))
         queue = asks.subscribe()
         waiting = asyncio.ensure_future(hold(asks, Question("a.test", 443, "/v1/", "https")))
-        await asyncio.sleep(0.01)
+        await eventually(lambda: not queue.empty(), what="the ask on the stream")
         shown = queue.get_nowait()
         assert shown is not None and shown["path"] == "/v1/" and shown["held"] == 1
         asks.close()
