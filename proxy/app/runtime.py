@@ -484,16 +484,22 @@ class Runtime:
         if asks is not None:
             asks.reconsider(lambda target: False)
             asks.close()
-        closed: list[str] = []
-        if self.front is not None:
-            closed += self.front.set_policy(self.compiled.policy)
-        if self.engine is not None:
-            closed += self.engine.set_policy(self.compiled.policy)
+        closed = self._redecide_live()
         self.say(
             f"ASKING STOPPED: the config ({source or 'reloaded'}) now says 'ask: forbid'; "
             f"nothing is held for a person from now on and the session's grants no longer "
             f"apply ({len(closed)} live connection(s) only a person's answer let through closed)"
         )
+
+    def _redecide_live(self) -> list[str]:
+        """Every live connection decided again on the running policy (as the planes' Vetters
+        now decide): the ids of those it no longer allows, closed."""
+        closed: list[str] = []
+        if self.front is not None:
+            closed += self.front.set_policy(self.compiled.policy)
+        if self.engine is not None:
+            closed += self.engine.set_policy(self.compiled.policy)
+        return closed
 
     def _stop_learning(self, source: str | None) -> None:
         """Learning off in every plane, for the rest of the session, and the live connections
@@ -503,11 +509,7 @@ class Runtime:
             vetter.learn = False
         self.readiness.learning = False
         self.metrics.learn_mode(False)
-        closed: list[str] = []
-        if self.front is not None:
-            closed += self.front.set_policy(self.compiled.policy)
-        if self.engine is not None:
-            closed += self.engine.set_policy(self.compiled.policy)
+        closed = self._redecide_live()
         self.say(
             f"LEARNING STOPPED: the config ({source or 'reloaded'}) now says 'learn: forbid'; "
             f"the policy is enforced in full from now on ({len(closed)} live connection(s) "
