@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -34,7 +33,7 @@ from mitmproxy.proxy.layers.tls import HTTP1_ALPNS, HTTP2_ALPN
 
 from policy.reasons import Reason
 from proxy.common.errors import ProxyError
-from proxy.common.refusals import Refused, authority, shown, upstream_refusal
+from proxy.common.refusals import Refused, authority, shown
 from proxy.l7.modes import CloseClient
 from proxy.l7.patches import ANSWER
 from proxy.l7.request_checks import (
@@ -45,7 +44,7 @@ from proxy.l7.request_checks import (
     is_websocket,
     upgrade_tokens,
 )
-from proxy.l7.state import Dial
+from proxy.l7.state import NOT_VETTED, Dial
 
 if TYPE_CHECKING:
     from mitmproxy.connection import Client
@@ -61,9 +60,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 HTTPS = "https"  # the audit protocol of a request inside interception
-# What our dial and our refusals put in a server connection's error (mitmproxy hands only the
-# text on): the reason code, then the message.
-_OURS = re.compile(r"egress-proxy: ([a-z_]+): ")
 # Bodies above this many bytes are streamed, not buffered (docs/limits.md); smaller ones are
 # buffered whole, cheaper per request and bounded by this size.
 STREAM_LARGE_BODIES = "64k"
@@ -212,7 +208,8 @@ def _end_connection(addon: _Hooks, argument: Any) -> None:
 
 def _refuse_dial(addon: _Hooks, data: ServerConnectionHookData) -> None:
     addon.ledger.forget_dial(data.server.id)
-    data.server.error = f"egress-proxy: {Reason.INTERNAL_ERROR}: internal error"
+    refused = Refused(502, Reason.INTERNAL_ERROR, "internal error", error=True)
+    data.server.error = addon.ledger.fail(data.client.id, refused)
 
 
 def _close_client(addon: _Hooks, nextlayer: NextLayer) -> None:
@@ -316,22 +313,12 @@ class RequestGate(_Hooks):
             return
         connection = self.connection(flow.client_conn)
         message = flow.error.msg
-        match = _OURS.match(message)
-        if match is not None:
-            reason = match.group(1)
-        elif connection.tls_failure is not None and message == connection.tls_failure:
-            reason, message = Reason.UPSTREAM_TLS, f"egress-proxy: {Reason.UPSTREAM_TLS}: {message}"
+        refused = self.ledger.forget_failure(flow.client_conn.id, message)
+        if refused is None:
+            if connection.tls_failure is None or message != connection.tls_failure:
+                return  # not an upstream failure of ours: mitmproxy's own answer stands
+            refused = Refused(502, Reason.UPSTREAM_TLS, message, error=True)
             connection.tls_failure = None
-        else:
-            return  # not an upstream failure of ours: mitmproxy's own answer stands
-        status = (
-            504
-            if reason == Reason.UPSTREAM_TIMEOUT
-            else 403
-            if reason == Reason.NOT_VETTED
-            else 502
-        )
-        refused = Refused(status, reason, message, error=status != 403)
         destination = connection.destination
         flow.metadata[ANSWER] = denial(refused, destination.host, destination.port, flow.request)
 
@@ -375,11 +362,8 @@ class Pinning(_Hooks):
         address = server.address
         pins = connection.vetted.get((address[0], address[1])) if address else None
         if not pins or address is None:
-            server.error = (
-                f"egress-proxy: {Reason.NOT_VETTED}: server connection not vetted by policy"
-            )
-            refused = Refused(403, Reason.NOT_VETTED, "server connection not vetted by policy")
-            self.refusal(connection, refused, stage="connect")
+            server.error = self.ledger.fail(data.client.id, NOT_VETTED)
+            self.refusal(connection, NOT_VETTED, stage="connect")
             return
         if server.tls:
             server.sni = connection.destination.host  # verified against the name, not an IP
@@ -395,13 +379,12 @@ class Pinning(_Hooks):
     @fail_closed(_end_connection)
     def server_connect_error(self, data: ServerConnectionHookData) -> None:
         self.ledger.forget_dial(data.server.id)
-        match = _OURS.match(str(data.server.error or ""))
-        if match is None or match.group(1) not in (
+        refused = self.ledger.failure(data.client.id, str(data.server.error or ""))
+        if refused is None or refused.reason not in (
             Reason.UPSTREAM_REFUSED,
             Reason.UPSTREAM_TIMEOUT,
         ):
             return  # refused before any dial: that refusal has its own line
-        refused = upstream_refusal(match.group(1), str(data.server.error))
         self.refusal(self.connection(data.client), refused, stage="upstream")
 
     @fail_closed(_end_connection)

@@ -88,6 +88,7 @@ class InterceptInstance(mode_servers.ServerInstance[InterceptMode]):
             master.options,
             self.mode,
             lambda server: ledger.take_dial(server.id),
+            lambda refused, text: ledger.fail(client_id, refused, text),
         )
         handler.layer = interception_stack(handler.layer.context, connection)
         client_id = handler.client.id

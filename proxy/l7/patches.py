@@ -52,8 +52,9 @@ from mitmproxy.proxy.layers import http as http_layers
 from mitmproxy.proxy.layers.http import _http2
 from mitmproxy.proxy.layers.tls import HTTP1_ALPNS, HTTP2_ALPN
 
-from policy.reasons import Reason
 from proxy.common.errors import ProxyError
+from proxy.common.refusals import Refused, upstream_refusal
+from proxy.l7.state import NOT_VETTED
 from proxy.net.dialing import UpstreamError, dial_checked
 
 if TYPE_CHECKING:
@@ -180,9 +181,11 @@ class DialingHandler(mode_servers.ProxyConnectionHandler):
         options: Any,
         mode: Any,
         take_dial: Callable[[Server], Dial | None],
+        failed: Callable[[Refused, str | None], str],
     ) -> None:
         super().__init__(master, reader, writer, options, mode)
         self._take_dial = take_dial
+        self._failed = failed
 
     async def open_connection(self, command: commands.OpenConnection) -> None:
         connection = command.connection
@@ -193,9 +196,8 @@ class DialingHandler(mode_servers.ProxyConnectionHandler):
         dial = self._take_dial(connection)
         if dial is None or connection.error or not connection.address:
             # Refused by a hook, or never allowed by one: nothing is dialled (fail closed).
-            connection.error = connection.error or (
-                f"egress-proxy: {Reason.NOT_VETTED}: server connection not vetted by policy"
-            )
+            if not connection.error:
+                connection.error = self._failed(NOT_VETTED, None)
             self.log(f"server connection refused before connect: {connection.error}")
             await self.handle_hook(server_hooks.ServerConnectErrorHook(hook_data))
             await self.server_event(events.OpenConnectionCompleted(command, connection.error))
@@ -213,6 +215,9 @@ class DialingHandler(mode_servers.ProxyConnectionHandler):
                 )
             except (UpstreamError, asyncio.CancelledError) as exc:
                 connection.error = str(exc) or "connection cancelled"
+                if isinstance(exc, UpstreamError):
+                    refused = upstream_refusal(exc.reason, exc.message)
+                    self._failed(refused, connection.error)
                 self.log(f"error establishing server connection: {connection.error}")
                 await self.handle_hook(server_hooks.ServerConnectErrorHook(hook_data))
                 await self.server_event(events.OpenConnectionCompleted(command, connection.error))

@@ -4,6 +4,12 @@
     ledger.add("mitmproxy client id", connection)        # modes.InterceptInstance.serve
     ledger.allow_dial(server.id, Dial(...))               # the server_connect hook
     ledger.take_dial(server.id)                           # the dial itself (patches.py)
+    server.error = ledger.fail(client.id, refused)        # why it was not connected
+
+mitmproxy hands a server connection's failure on only as text (`Server.error`, then the flow's
+error), and to a request's flow through a server connection of its own: the refusal is kept
+here as a value, by client and that text, for the hooks that answer it (the text is a key, never
+read back).
 
 mitmproxy names client and server connections by ids (`Client.id`, `Server.id`); every hook
 finds our state by them. A hook for a connection not in the ledger is not ours: it is denied.
@@ -17,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from policy.reasons import Reason
+from proxy.common.refusals import Refused
 
 if TYPE_CHECKING:
     from proxy.decide.events import MetricsSink
@@ -80,12 +87,19 @@ class Intercepted:
             self.head_timer = None
 
 
+# An upstream connection no server_connect hook allowed: nothing is dialled (fail closed).
+NOT_VETTED = Refused(403, Reason.NOT_VETTED, "server connection not vetted by policy")
+# Failed upstream connections remembered at once (each is answered within its request).
+MAX_FAILURES = 1024
+
+
 class Ledger:
     """The engine's live connections by mitmproxy client id, and the dials allowed by server id."""
 
     def __init__(self) -> None:
         self.connections: dict[str, Intercepted] = {}
         self._dials: dict[str, Dial] = {}
+        self._failures: dict[tuple[str, str], Refused] = {}  # in the order they failed
 
     def add(self, client_id: str, connection: Intercepted) -> None:
         connection.client_id = client_id
@@ -106,3 +120,23 @@ class Ledger:
 
     def forget_dial(self, server_id: str) -> None:
         self._dials.pop(server_id, None)
+
+    def fail(self, client_id: str, refused: Refused, text: str | None = None) -> str:
+        """Why an upstream connection of client `client_id` was not connected (refused before
+        its dial, or the dial failed); returns the text mitmproxy carries (`text`, or one made
+        of the refusal). Bounded: the oldest are forgotten first."""
+        if text is None:
+            text = f"egress-proxy: {refused.reason}: {refused.message}"
+        failures = self._failures
+        key = (client_id, text)
+        failures.pop(key, None)
+        failures[key] = refused
+        while len(failures) > MAX_FAILURES:
+            del failures[next(iter(failures))]
+        return text
+
+    def failure(self, client_id: str, text: str) -> Refused | None:
+        return self._failures.get((client_id, text))
+
+    def forget_failure(self, client_id: str, text: str) -> Refused | None:
+        return self._failures.pop((client_id, text), None)
