@@ -31,6 +31,7 @@ from policy.paths import PathDecision, decide_path
 from policy.reasons import Reason
 from policy.remedies import entry, path_prefix, remedy
 from policy.rules import Rule
+from policy.text import clipped
 from policy.trie import Match, SubtreeIndex, SuffixTrie
 from policy.urls import RULE_SCHEME, STREAM_SCHEMES, TLS_SCHEMES, Target, parse_target
 
@@ -178,10 +179,13 @@ class Policy:
             parsed = parse_target(target) if isinstance(target, str) else target
             return self._decide(parsed)
         except PolicyError as exc:
-            return Decision(False, exc.reason, exc.message, _shown(shown))
+            return Decision(False, exc.reason, exc.message, clipped(shown))
         except Exception as exc:
             return Decision(
-                False, Reason.INTERNAL_ERROR, f"internal error: {type(exc).__name__}", _shown(shown)
+                False,
+                Reason.INTERNAL_ERROR,
+                f"internal error: {type(exc).__name__}",
+                clipped(shown),
             )
 
     def _decide(self, target: Target) -> Decision:
@@ -575,7 +579,7 @@ class Policy:
                 False,
                 Reason.INTERNAL_ERROR,
                 f"internal error: {type(exc).__name__}",
-                _shown(host),
+                clipped(host),
                 (),
             )
 
@@ -609,11 +613,11 @@ def _path_refusal(
     blocks: Sequence[Rule],
 ) -> Decision:
     """The denial for a path `decide_path` did not allow, worded with the reading that failed."""
-    where = f"{host}{_shown(path, _SHOWN_PATH)}"
+    where = f"{host}{clipped(path, _SHOWN_PATH)}"
     reading = decided.reading
     read_as = ""
     if reading is not None and reading.path != path:
-        read_as = f" (read as {_shown(reading.path, _SHOWN_PATH)}: {reading.how})"
+        read_as = f" (read as {clipped(reading.path, _SHOWN_PATH)}: {reading.how})"
     if decided.verdict == "blocked" and decided.index is not None:
         rule = blocks[decided.index]
         message = f"{where} is blocked by {rule.id} {quote(rule.pattern)}{read_as}"
@@ -640,7 +644,3 @@ def _first[T](*candidates: list[T] | None) -> T | None:
         if entries:
             return entries[0]
     return None
-
-
-def _shown(text: str, limit: int = 100) -> str:
-    return text if len(text) <= limit else text[:limit] + "…"

@@ -45,6 +45,7 @@ from typing import Literal
 
 from policy.errors import PolicyError
 from policy.reasons import Reason
+from policy.text import clipped
 
 _UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
 _HEX = frozenset("0123456789abcdefABCDEF")
@@ -366,4 +367,4 @@ def _ambiguous(path: str, why: str) -> PolicyError:
 
 
 def _shown(path: str) -> str:
-    return repr(path if len(path) <= 100 else path[:100] + "…")
+    return repr(clipped(path))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TypeGuard
 
 from proxy.common.errors import ProxyError
+from proxy.common.refusals import authority
 from proxy.common.terminal import one_line
 
 SCHEMES = ("http", "socks5", "transparent")
@@ -240,4 +241,4 @@ def parse_listen(text: str) -> tuple[str, int]:
 
 def format_listen(host: str, port: int) -> str:
     """The inverse of parse_listen, for messages: IPv6 hosts in brackets."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return authority(host, port)

@@ -15,6 +15,7 @@ from policy.remedies import client_remedy
 __all__ = [
     "DENIED_HEADER",
     "ERROR_HEADER",
+    "STATUS_PHRASES",
     "Reason",
     "Refused",
     "authority",
@@ -32,14 +33,23 @@ _MAX_SHOWN = 200
 # A remedy names a host (up to 253 characters) and a few words around it: room for the longest
 # valid name, while a hostile one is still cut (the whole line stays under 1 KiB).
 _MAX_REMEDY = 400
-_REASON_PHRASES = {
+# The reason phrase of every status the proxy's own answers use (refusals and the admin
+# listener), written out: Python's HTTPStatus renamed some between the versions we support.
+STATUS_PHRASES = {
+    200: "OK",
     400: "Bad Request",
+    401: "Unauthorized",
     403: "Forbidden",
+    404: "Not Found",
+    405: "Method Not Allowed",
     408: "Request Timeout",
+    413: "Content Too Large",
     431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
     502: "Bad Gateway",
     503: "Service Unavailable",
     504: "Gateway Timeout",
+    505: "HTTP Version Not Supported",
 }
 
 
@@ -115,7 +125,7 @@ def refusal_response(refused: Refused, host: str, port: int | None, *, close: bo
     headers, body = refusal_parts(
         refused.status, host, port, refused.reason, error=refused.error, remedy=refused.remedy
     )
-    phrase = _REASON_PHRASES.get(refused.status, "Error")
+    phrase = STATUS_PHRASES.get(refused.status, "Error")
     lines = [f"HTTP/1.1 {refused.status} {phrase}"]
     lines += [f"{name}: {value}" for name, value in headers.items()]
     lines.append(f"Content-Length: {len(body)}")

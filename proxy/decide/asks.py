@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from policy.asking import ANSWERS, SESSION_ANSWERS, Question, SessionGrants
+from proxy.common.refusals import authority
 from proxy.decide.events import MAX_FIELD, MAX_PATH, timestamp
 
 
@@ -371,8 +372,7 @@ def _client(peer: Peer) -> str | None:
     client = peer.client
     if client is None:
         return None
-    host, port = client[0], client[1]
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return authority(client[0], client[1])
 
 
 async def _wait(future: asyncio.Future[str], gone: Callable[[], bool] | None) -> str:

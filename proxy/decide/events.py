@@ -21,6 +21,8 @@ from datetime import UTC, datetime
 from json.encoder import encode_basestring_ascii
 from typing import TYPE_CHECKING, Any, Protocol
 
+from proxy.common.refusals import authority
+
 if TYPE_CHECKING:
     from policy.decisions import AddressDecision, Decision
 
@@ -57,7 +59,7 @@ def _client(client: Client) -> str | None:
     shown = _CLIENTS.get(client)
     if shown is None:
         host, port = client[0], client[1]
-        shown = f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+        shown = authority(str(host), int(port))
         if len(_CLIENTS) >= _ENCODED_ENTRIES:
             _CLIENTS.clear()
         _CLIENTS[client] = shown

@@ -65,6 +65,7 @@ from typing import Any
 from policy.asking import ANSWERS
 from proxy.common.errors import ProxyError
 from proxy.common.listeners import format_listen
+from proxy.common.refusals import STATUS_PHRASES
 from proxy.decide.asks import Asks
 from proxy.ops.denials import MAX_SINCE, Denials
 from proxy.ops.readiness import Readiness
@@ -109,19 +110,6 @@ _ASK_PREFIX = "/asks/"
 # `since=` and at most 20 digits (2**63 has 19; a leading zero or so is still a decimal integer).
 _SINCE = re.compile(r"since=([0-9]{1,20})")
 _JSON = "application/json"
-_REASONS = {
-    200: "OK",
-    400: "Bad Request",
-    401: "Unauthorized",
-    404: "Not Found",
-    405: "Method Not Allowed",
-    408: "Request Timeout",
-    413: "Content Too Large",
-    431: "Request Header Fields Too Large",
-    500: "Internal Server Error",
-    503: "Service Unavailable",
-    505: "HTTP Version Not Supported",
-}
 _TEXT = "text/plain; charset=utf-8"
 _CONTENT_TYPE = re.compile(r"[\x20-\x7e]{1,200}")
 
@@ -137,7 +125,7 @@ class _Response:
     def encode(self, *, length: bool = True) -> bytes:
         """The response; without `length`, a head for a body that lasts until the close."""
         lines = [
-            f"HTTP/1.1 {self.status} {_REASONS[self.status]}",
+            f"HTTP/1.1 {self.status} {STATUS_PHRASES[self.status]}",
             f"Content-Type: {self.content_type}",
             *([f"Content-Length: {len(self.body)}"] if length else []),
             "Cache-Control: no-store",

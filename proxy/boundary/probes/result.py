@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, get_args
 
+from proxy.common.refusals import authority
+
 Expect = Literal["local_refusal", "no_echo"]
 EXPECTS: tuple[str, ...] = get_args(Expect)
 ECHO_PAYLOAD = b"egress-boundary-probe"
@@ -39,7 +41,7 @@ def oserror(exc: OSError) -> str:
 def endpoint(address: str, port: int | None = None) -> str:
     if port is None:
         return address
-    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+    return authority(address, port)
 
 
 def awaited_reply(sock: socket.socket, timeout: float, matches: Callable[[bytes], bool]) -> bool:
