@@ -233,11 +233,11 @@ async def open_tunnel(
     door = connection.door
     answers = cast(Answers, connection)
     address = parse_ip_literal(host)
-    by_address = address is not None and bool(tunnel.attributed_names(connection, str(address)))
+    names = tunnel.attributed_names(connection, str(address)) if address is not None else ()
     try:
-        if by_address:
-            vetted = await tunnel.vet_by_address(connection, str(address), port, **context)
-            decision = vetted.decision
+        if names:
+            vetted = await tunnel.vet_by_address(connection, names, str(address), port, **context)
+            inspecting = intercepted(vetted.decision, door.config)
         else:
             decision = door.vetter.decide(target)
             inspecting = intercepted(decision, door.config)
@@ -245,7 +245,7 @@ async def open_tunnel(
                 connection, target, port, decision, inspecting=inspecting, **context
             )
         dialled = None
-        if not intercepted(decision, door.config):
+        if not inspecting:
             dialled = await tunnel.dial_vetted(connection, vetted, port, **context)
     except Refused as refused:
         connection.refuse(refused, host, port, stage="", record=False)

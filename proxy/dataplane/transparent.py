@@ -24,7 +24,6 @@ was read is closed. Its decision and close lines say why."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING
 
 from policy.reasons import Reason
@@ -108,8 +107,6 @@ class Transparent(Connection):
         an opaque stream to this attributed address would pass; else None (the client's bytes
         decide, and any refusal is theirs to read first)."""
         names = tunnel.attributed_names(self, address)
-        if not names:
-            return None
         for name in names:
             if streams.stream_decision(self, FirstFlight.TCP, name, port).allowed:
                 break
@@ -117,7 +114,7 @@ class Transparent(Connection):
             return None
         self.protocol = FirstFlight.TCP.value
         try:
-            vetted = await tunnel.vet_by_address(self, address, port, scheme=FirstFlight.TCP)
+            vetted = await tunnel.vet_by_address(self, names, address, port, scheme=FirstFlight.TCP)
             dialled = await tunnel.dial_vetted(self, vetted, port)
         except Refused as refused:
             # Its line is written: an opaque stream is refused so without deciding again; TLS
@@ -141,11 +138,14 @@ class Transparent(Connection):
             return
         vetted = self.vetted if dialled is not None else None
         if vetted is None:
-            if not tunnel.attributed_names(self, self.original):
+            names = tunnel.attributed_names(self, self.original)
+            if not names:
                 self.refuse_stream(tunnel.unattributed(self.original, self.port), kind)
                 return
             try:
-                vetted = await tunnel.vet_by_address(self, self.original, self.port, scheme=kind)
+                vetted = await tunnel.vet_by_address(
+                    self, names, self.original, self.port, scheme=kind
+                )
             except Refused as refused:
                 self.refuse_stream(refused, kind, record=False)
                 return
@@ -186,22 +186,17 @@ class Transparent(Connection):
         await self._tunnel(target, self.port, decision, early)
 
     async def _hello(self) -> GateOutcome | None:
-        """The gate's outcome on the whole ClientHello; None when the client ended first."""
+        """The gate's outcome on the whole ClientHello; None when the connection is closed
+        (the client ended first, or sent no whole hello in time)."""
         # `tls.ech` as it is now: a reload applies to later connections.
         ech = self.door.config.tls_ech
-        outcome = read_hello(self.buffer, ech=ech)
-        if outcome is not None:
-            return outcome
-        try:
-            async with asyncio.timeout(self.door.config.limits.header_timeout):
-                while outcome is None:
-                    if not await self.more():
-                        self.close()
-                        return None
-                    outcome = read_hello(self.buffer, ech=ech)
-        except TimeoutError:
-            refused = Refused(408, Reason.HEADER_TIMEOUT, "no ClientHello within the time limit")
-            self.refuse(refused, None, None, stage="accept")
+        outcome = await tunnel.whole_hello(self, lambda data: read_hello(data, ech=ech))
+        if outcome is None:
+            self.close()
+            return None
+        if outcome.refused is not None and outcome.refused.reason == Reason.HEADER_TIMEOUT:
+            # No hello in time is refused at accept, as a silent client is: nothing was read.
+            self.refuse(outcome.refused, None, None, stage="accept")
             return None
         return outcome
 
@@ -229,8 +224,7 @@ class Transparent(Connection):
             if early is not None and early.address in vetted.pinned and not early.upstream.lost:
                 # The connection dialled before the client spoke goes to a checked address of
                 # the SNI's host: it is that dial, not a second one.
-                dialled = tunnel.Dialled(vetted.decision.host, early.transport, early.upstream,
-                                         vetted, early.address)  # fmt: skip
+                dialled = tunnel.Dialled(early.transport, early.upstream, vetted, early.address)
                 early.upstream.sink = None  # held again until the relay takes it
                 early = None
             else:

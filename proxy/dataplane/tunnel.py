@@ -16,6 +16,7 @@ session's DNS answered it for (proxy/decide/attribution.py).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,11 +36,15 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class Dialled:
-    name: str  # the host as the policy decided it
     transport: asyncio.Transport
     upstream: Upstream
     vetted: Vetted
     address: str  # the checked address connected to
+
+    @property
+    def name(self) -> str:
+        """The host as the policy decided it."""
+        return self.vetted.decision.host
 
 
 def _with_attribution(connection: Connection, context: dict[str, Any]) -> dict[str, Any]:
@@ -82,20 +87,20 @@ async def vet(
 
 
 async def vet_by_address(
-    connection: Connection, address: str, port: int, *, scheme: str | None = None, **context: Any
+    connection: Connection,
+    names: tuple[str, ...],
+    address: str,
+    port: int,
+    *,
+    scheme: str | None = None,
+    **context: Any,
 ) -> Vetted:
-    """A tunnel to an address the session's DNS answered for some names (a SOCKS5 request of
-    type 1 or 4, a CONNECT to an address): the names decided (the first allowed one is the
-    tunnel's host), the address stage on that address alone, and the loop guard. Refused as
-    `unattributed` when the session's DNS never answered with it. Raises Refused after its
-    line. `scheme`: the names are decided for a stream of that kind (`ssh`, `tcp`)."""
+    """A tunnel to an address the session's DNS answered for `names` (`attributed_names`: a
+    SOCKS5 request of type 1 or 4, a CONNECT to an address, a redirected stream): the names
+    decided (the first allowed one is the tunnel's host), the address stage on that address
+    alone, and the loop guard. Raises Refused after its line. `scheme`: the names are decided
+    for a stream of that kind (`ssh`, `tcp`)."""
     door = connection.door
-    names = attributed_names(connection, address)
-    if not names:
-        refused = unattributed(address, port)
-        door.vetter.refusal(refused, connection.peer, address, port, connection.protocol,
-                            stage="name", **context)  # fmt: skip
-        raise refused
     context = _with_attribution(connection, context)
     vetted = await door.vetter.vet_attributed(
         names, address, port, connection.peer, connection.protocol, scheme=scheme, **context
@@ -167,7 +172,7 @@ async def dial_vetted(connection: Connection, vetted: Vetted, port: int, **conte
         raise refused from None
     address = transport.get_extra_info("peername")
     connection.upstream = authority(address[0], address[1])
-    return Dialled(name, transport, upstream, vetted, canonical_address(address[0]) or address[0])
+    return Dialled(transport, upstream, vetted, canonical_address(address[0]) or address[0])
 
 
 async def gate(connection: Connection, name: str, port: int, vetted: Vetted, *, what: str) -> bool:
@@ -225,9 +230,18 @@ async def client_hello(
 
 
 async def _client_hello(connection: Connection, host: str, what: str) -> GateOutcome | None:
-    buffer = connection.buffer
     ech = connection.door.config.tls_ech
-    outcome = check_hello(buffer, host, what=what, ech=ech) if buffer else None
+    return await whole_hello(connection, lambda data: check_hello(data, host, what=what, ech=ech))
+
+
+async def whole_hello(
+    connection: Connection, gate: Callable[[bytearray], GateOutcome | None]
+) -> GateOutcome | None:
+    """`gate` (the SNI gate, with or without a host to compare) on the client's bytes once they
+    hold a whole ClientHello, read within the header timeout: its outcome (a `header_timeout`
+    refusal when the time ran out), or None when the client ended first."""
+    buffer = connection.buffer
+    outcome = gate(buffer) if buffer else None
     if outcome is not None:
         return outcome
     try:
@@ -235,7 +249,7 @@ async def _client_hello(connection: Connection, host: str, what: str) -> GateOut
             while outcome is None:
                 if not await connection.more():
                     return None
-                outcome = check_hello(connection.buffer, host, what=what, ech=ech)
+                outcome = gate(connection.buffer)
     except TimeoutError:
         refused = Refused(408, Reason.HEADER_TIMEOUT, "no ClientHello within the time limit")
         return GateOutcome(None, refused)
