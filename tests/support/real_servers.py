@@ -120,6 +120,33 @@ def start_logged(
         )
 
 
+def started_on_a_free_port(
+    host: str,
+    start: Callable[[int], subprocess.Popen[bytes]],
+    ready: Callable[[int], object],
+    log: Path,
+    what: str,
+    stop: int = signal.SIGTERM,
+) -> tuple[int, subprocess.Popen[bytes]]:
+    """`start(port)` on a free port, waited for until `ready(port)`: the port and the process.
+    A free port can be taken between the look and the bind: then another is tried (3 at most);
+    any other failure to start fails at once, with the server's log."""
+    last_error = ""
+    for _ in range(3):
+        port = free_port(host)
+        process = start(port)
+        try:
+            wait_started(process, log, lambda: ready(port), what)  # noqa: B023
+        except AssertionError as exc:
+            stop_process(process, stop)
+            last_error = str(exc)
+            if "Address already in use" in last_error:
+                continue
+            raise
+        return port, process
+    raise AssertionError(last_error)
+
+
 def wait_started(
     process: subprocess.Popen[bytes], log: Path, ready: Callable[[], object], what: str
 ) -> None:
@@ -254,10 +281,9 @@ def sshd(tmp: Path, host: str = LOOPBACK) -> Iterator[SSHServer]:
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
     user = pwd.getpwuid(os.geteuid()).pw_name
     log = directory / "sshd.log"
-    last_error = ""
-    for _ in range(3):  # a free port can be taken between the look and the bind
-        port = free_port(host)
-        config = directory / "sshd_config"
+    config = directory / "sshd_config"
+
+    def start(port: int) -> subprocess.Popen[bytes]:
         config.write_text(
             f"ListenAddress {host}\nPort {port}\nHostKey {host_key}\n"
             f"AuthorizedKeysFile {authorized}\nPidFile {directory / 'sshd.pid'}\n"
@@ -270,24 +296,18 @@ def sshd(tmp: Path, host: str = LOOPBACK) -> Iterator[SSHServer]:
         )
         done = run_client([SSHD, "-t", "-f", str(config)])
         assert done.returncode == 0, f"sshd -t: {done.stderr}"
-        process = start_logged([SSHD, "-D", "-e", "-f", str(config)], log)
-        try:
-            wait_started(process, log, lambda: accepting(host, port), "sshd")  # noqa: B023
-        except AssertionError as exc:
-            stop_process(process)
-            last_error = str(exc)
-            if "Address already in use" in last_error:
-                continue
-            raise
-        try:
-            yield SSHServer(
-                host, port, user, directory, client_key, directory / "known_hosts", repo, log,
-                process,
-            )  # fmt: skip
-        finally:
-            stop_process(process)
-        return
-    raise AssertionError(last_error)
+        return start_logged([SSHD, "-D", "-e", "-f", str(config)], log)
+
+    port, process = started_on_a_free_port(
+        host, start, lambda port: accepting(host, port), log, "sshd"
+    )
+    try:
+        yield SSHServer(
+            host, port, user, directory, client_key, directory / "known_hosts", repo, log,
+            process,
+        )  # fmt: skip
+    finally:
+        stop_process(process)
 
 
 # -- PostgreSQL --------------------------------------------------------------------------------
@@ -364,10 +384,9 @@ def postgres(tmp: Path, host: str = LOOPBACK) -> Iterator[PostgresServer]:
             capture_output=True, text=True, timeout=120, env=env, cwd=directory, check=False,
         )  # fmt: skip
         assert done.returncode == 0, f"initdb: {done.stdout}{done.stderr}"
-        last_error = ""
-        for _ in range(3):
-            port = free_port(host)
-            process = start_logged(
+
+        def start(port: int) -> subprocess.Popen[bytes]:
+            return start_logged(
                 [*prefix, str(bindir / "postgres"), "-D", str(data), "-p", str(port),
                  "-c", f"listen_addresses={host}", "-c", f"unix_socket_directories={sockets}",
                  "-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off",
@@ -376,23 +395,15 @@ def postgres(tmp: Path, host: str = LOOPBACK) -> Iterator[PostgresServer]:
                 log, env=env, cwd=directory,
             )  # fmt: skip
 
-            def ready() -> bool:
-                return "ready to accept connections" in log.read_text(errors="replace")
+        def ready(port: int) -> bool:
+            return "ready to accept connections" in log.read_text(errors="replace")
 
-            try:
-                wait_started(process, log, ready, "postgres")
-            except AssertionError as exc:
-                stop_process(process, signal.SIGINT)
-                last_error = str(exc)
-                if "Address already in use" in last_error:
-                    continue
-                raise
-            try:
-                yield PostgresServer(host, port, "postgres", bindir, data, log, process)
-            finally:
-                stop_process(process, signal.SIGINT)  # SIGINT: PostgreSQL's fast shutdown
-            return
-        raise AssertionError(last_error)
+        # SIGINT: PostgreSQL's fast shutdown.
+        port, process = started_on_a_free_port(host, start, ready, log, "postgres", signal.SIGINT)
+        try:
+            yield PostgresServer(host, port, "postgres", bindir, data, log, process)
+        finally:
+            stop_process(process, signal.SIGINT)
     finally:
         if as_root:
             shutil.rmtree(directory, ignore_errors=True)
@@ -428,33 +439,23 @@ def redis(tmp: Path, host: str = LOOPBACK) -> Iterator[RedisServer]:
     need(REDIS_CLI, "redis-cli (redis-tools)")
     directory = Path(tempfile.mkdtemp(prefix="redis-", dir=tmp))
     log = directory / "redis.log"
-    last_error = ""
-    for _ in range(3):
-        port = free_port(host)
-        process = start_logged(
+
+    def start(port: int) -> subprocess.Popen[bytes]:
+        return start_logged(
             [REDIS_SERVER, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no",
              "--dir", str(directory), "--daemonize", "no", "--unixsocket", "",
              "--protected-mode", "no", "--loglevel", "notice"],
             log, cwd=directory,
         )  # fmt: skip
 
-        def ready() -> bool:
-            return "Ready to accept connections" in log.read_text(errors="replace")
+    def ready(port: int) -> bool:
+        return "Ready to accept connections" in log.read_text(errors="replace")
 
-        try:
-            wait_started(process, log, ready, "redis-server")
-        except AssertionError as exc:
-            stop_process(process)
-            last_error = str(exc)
-            if "Address already in use" in last_error:
-                continue
-            raise
-        try:
-            yield RedisServer(host, port, directory, log, process)
-        finally:
-            stop_process(process)
-        return
-    raise AssertionError(last_error)
+    port, process = started_on_a_free_port(host, start, ready, log, "redis-server")
+    try:
+        yield RedisServer(host, port, directory, log, process)
+    finally:
+        stop_process(process)
 
 
 # -- Python servers that speak first -----------------------------------------------------------
