@@ -14,11 +14,13 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import os
+import shutil
 import socket
 import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import trustme
@@ -133,3 +135,16 @@ def nothing_left(subnets: Subnets) -> Iterator[None]:
     yield
     left = session_objects(subnets) - before
     assert not left, f"the session left {sorted(left)}"
+
+
+@pytest.fixture
+def shared() -> Iterator[Path]:
+    """A directory COMMAND's user (nobody) can read, with one, `work`, it can write to."""
+    directory = Path(tempfile.mkdtemp(prefix="egress-sb-shared-"))
+    try:
+        directory.chmod(0o755)
+        (directory / "work").mkdir()
+        (directory / "work").chmod(0o777)  # mkdir's mode goes through the umask
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)

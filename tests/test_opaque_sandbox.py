@@ -18,8 +18,6 @@ import pwd
 import shutil
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -46,19 +44,6 @@ pytestmark = [
 
 NAMES = ("git.test", "db.test", "cache.test", "tls.test")
 MANIFEST = "network:\n  egress: [" + ", ".join(NAMES) + "]\n"
-
-
-@pytest.fixture
-def shared() -> Iterator[Path]:
-    """A directory COMMAND's user (nobody) can read, with one it can write to."""
-    directory = Path(tempfile.mkdtemp(prefix="egress-sb-opaque-"))
-    try:
-        directory.chmod(0o755)
-        (directory / "work").mkdir()
-        (directory / "work").chmod(0o777)
-        yield directory
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_ssh_git_psql_and_redis_by_name_inside_the_sandbox(

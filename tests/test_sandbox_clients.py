@@ -24,11 +24,9 @@ import socket
 import ssl
 import subprocess
 import sys
-import tempfile
 import threading
 import uuid
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -171,19 +169,6 @@ def serve(
     serving.daemon = True
     serving.start()
     return server, seen, authorization
-
-
-@pytest.fixture
-def shared() -> Iterator[Path]:
-    """A directory COMMAND's user can read, with one it can write to."""
-    directory = Path(tempfile.mkdtemp(prefix="egress-sb-clients-"))
-    try:
-        directory.chmod(0o755)
-        (directory / "work").mkdir(mode=0o777)
-        (directory / "work").chmod(0o777)
-        yield directory
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_tools_reach_an_intercepted_host_through_the_redirect_trusting_the_bundle(
