@@ -170,6 +170,16 @@ def resolve(dns_port: int, name: str) -> str:
     return str(found[0])
 
 
+def _run_by_client(run: Run, directory: Path) -> Run:
+    """`run` with its load generator copied into `directory` (0755), for a client run as
+    CLIENT_USER: the checkout it was built in may be in a directory only root can enter (a
+    clone in `mktemp -d`'s)."""
+    binary = directory / run.loadgen.binary.name
+    shutil.copy2(run.loadgen.binary, binary)
+    binary.chmod(0o755)
+    return dataclasses.replace(run, loadgen=dataclasses.replace(run.loadgen, binary=binary))
+
+
 def _measure(run: Run, config: str, directory: Path) -> dict[str, Any]:
     """On the namespace's thread: the SSH first flight and the TLS ClientHello to bench.test's
     address, through `config`'s transparent listener (direct: straight to the upstream)."""
@@ -197,6 +207,7 @@ def _measure(run: Run, config: str, directory: Path) -> dict[str, Any]:
             raise RuntimeError(f"{config} has no DNS listener")
         address = resolve(proxy.dns_port, HOST)  # once: the proxy now attributes it
         route = {"kind": "transparent", "address": address, "user": CLIENT_USER}
+        here = _run_by_client(here, directory)
         out = {
             "address": address,
             "ssh": tunnels_workload(here, proxy, directory, **route, **opaque_route(here)),
