@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Lowest first. A module belongs to the first entry that is it or a package above it.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("policy",),
-    ("proxy.common",),  # errors, refusals, listener addresses, terminal text, settings
+    ("proxy.common",),  # errors, refusals, listener addresses, terminal text, settings, caches
     ("proxy.decide",),  # the decision steps every plane shares
     ("proxy.net", "proxy.tls"),  # resolver, dialing, relay; the session CA and trust bundle
     # the planes: siblings, never each other

@@ -21,6 +21,7 @@ from datetime import UTC, datetime
 from json.encoder import encode_basestring_ascii
 from typing import TYPE_CHECKING, Any, Protocol
 
+from proxy.common.bounded import Bounded
 from proxy.common.refusals import authority
 
 if TYPE_CHECKING:
@@ -33,6 +34,8 @@ MAX_METHOD = 32
 # caller passes something larger.
 MAX_ADDRESSES = 64
 MAX_ADDRESS = 64  # longest IPv6 text with a zone id fits easily
+# The bound of each table of what recurs on line after line (encoded texts, clients).
+_ENCODED_ENTRIES = 4096
 
 Client = str | tuple[str, int] | tuple[str, int, int, int] | None
 
@@ -59,15 +62,12 @@ def _client(client: Client) -> str | None:
     shown = _CLIENTS.get(client)
     if shown is None:
         host, port = client[0], client[1]
-        shown = authority(str(host), int(port))
-        if len(_CLIENTS) >= _ENCODED_ENTRIES:
-            _CLIENTS.clear()
-        _CLIENTS[client] = shown
+        shown = _CLIENTS.put(client, authority(str(host), int(port)))
     return shown
 
 
 # A connection's decision and close lines name the same client: formatted once (bounded).
-_CLIENTS: dict[object, str] = {}
+_CLIENTS: Bounded[object, str] = Bounded(_ENCODED_ENTRIES)
 
 
 class _Fields:
@@ -145,22 +145,19 @@ class _Fields:
 
 def _encoded(value: str, remember: int = MAX_METHOD) -> str:
     """`value` as a JSON string. The same few values (hosts, rules, reasons, planes) recur on
-    line after line: short ones are remembered, in a bounded table that starts over when full
-    (its keys come from clients). Only values within every text field's cap (the smallest is a
+    line after line: short ones are remembered, in a bounded table (its keys come from clients:
+    proxy/common/bounded.py). Only values within every text field's cap (the smallest is a
     method's) are remembered by default, so a remembered value needs no cap check; addresses,
     written only where their own cap holds, up to theirs."""
     encoded = _ENCODED.get(value)
     if encoded is None:
         encoded = encode_basestring_ascii(value)
         if type(value) is str and len(value) <= remember:
-            if len(_ENCODED) >= _ENCODED_ENTRIES:
-                _ENCODED.clear()
-            _ENCODED[value] = encoded
+            _ENCODED.put(value, encoded)
     return encoded
 
 
-_ENCODED: dict[object, str] = {}
-_ENCODED_ENTRIES = 4096
+_ENCODED: Bounded[object, str] = Bounded(_ENCODED_ENTRIES)
 
 
 def _seconds(value: object) -> str:

@@ -25,6 +25,7 @@ from policy.asking import ALLOW_ONCE, ALLOW_SESSION, Question
 from policy.decisions import Decision
 from policy.hostnames import normalize_host, parse_ip_literal
 from policy.reasons import Reason
+from proxy.common.bounded import Bounded
 from proxy.common.errors import ProxyError
 from proxy.common.listeners import OwnListeners
 from proxy.common.refusals import Refused, authority
@@ -119,8 +120,8 @@ def canonical_host(host: str) -> str:
 
 # Per policy, the name-stage and address-stage answers already given (both are pure functions
 # of the policy and their arguments): a busy session asks the same few hosts again and again.
-# Bounded, as the keys come from clients and DNS answers: each dict starts over when full, and
-# only short targets (a host name is at most 253 characters) and short answers are kept.
+# Bounded, as the keys come from clients and DNS answers (proxy/common/bounded.py), and only
+# short targets (a host name is at most 253 characters) and short answers are kept.
 MEMO_ENTRIES = 1024
 MEMO_TARGET = 300
 MEMO_ADDRESSES = 16
@@ -131,8 +132,10 @@ class _Memo:
 
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
-        self.decisions: dict[str, Decision] = {}
-        self.addresses: dict[tuple[str, tuple[str, ...], tuple[str, ...]], AddressDecision] = {}
+        self.decisions: Bounded[str, Decision] = Bounded(MEMO_ENTRIES)
+        self.addresses: Bounded[tuple[str, tuple[str, ...], tuple[str, ...]], AddressDecision] = (
+            Bounded(MEMO_ENTRIES)
+        )
 
 
 class Vetter:
@@ -183,9 +186,7 @@ class Vetter:
         if decision is None:
             decision = policy.decide(target)
             if len(target) <= MEMO_TARGET:
-                if len(decisions) >= MEMO_ENTRIES:
-                    decisions.clear()
-                decisions[target] = decision
+                decisions.put(target, decision)
         if not decision.allowed:
             if self.learn:
                 decision = policy.learn(decision, target)
@@ -208,9 +209,7 @@ class Vetter:
         if checked is None:
             checked = policy.check_addresses(host, addresses, cname_chain=cname_chain)
             if len(addresses) + len(cname_chain) <= MEMO_ADDRESSES:
-                if len(checks) >= MEMO_ENTRIES:
-                    checks.clear()
-                checks[key] = checked
+                checks.put(key, checked)
         return checked
 
     # -- metrics and audit -------------------------------------------------------------------

@@ -28,6 +28,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from proxy.common.bounded import Bounded
+
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
     from prometheus_client.core import Metric
@@ -260,7 +262,8 @@ class Metrics:
         }
         self._active: dict[str, int] = {}
         # The guarded labels of each decision asked for, so a repeat costs one lookup.
-        self._decision_labels: dict[tuple[Any, ...], tuple[str, ...]] = {}
+        # Bounded: its keys can come from clients (proxy/common/bounded.py).
+        self._decision_labels: Bounded[tuple[Any, ...], tuple[str, ...]] = Bounded(_LABEL_SETS)
         self._engine = 0
         self._learn = 0
         self._open_files: float | None = None
@@ -316,9 +319,7 @@ class Metrics:
                 self._stage(stage),
                 self._plane(plane),
             )
-            if len(self._decision_labels) >= _LABEL_SETS:
-                self._decision_labels.clear()  # its keys can come from clients: bounded
-            self._decision_labels[key] = labels
+            self._decision_labels.put(key, labels)
         self._add(_DECISIONS, labels)
         if decision == "would_deny":
             self._add(_WOULD_DENY, (labels[1],))
