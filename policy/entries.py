@@ -19,13 +19,13 @@ from policy.names import (
     _MAX_LABEL,
     _MAX_NAME,
     _alabel_ok,
-    _brief,
     _describe_char,
     _is_ipv6_spelling,
     _is_numeric_label,
     _shown,
     name_refusal,
 )
+from policy.text import brief
 
 __all__ = ["EntryProblem", "check_entry", "suggest_entry"]
 
@@ -157,7 +157,7 @@ def _canonical_reading(text: str, fixes: set[str]) -> _Reading:
             return _Reading(
                 problem=EntryProblem(
                     "invalid_hostname",
-                    f"{_shown(text)} is not a valid internationalised name ({_brief(exc)})",
+                    f"{_shown(text)} is not a valid internationalised name ({brief(exc)})",
                 )
             )
     if text.startswith(".") and not text.startswith(".."):
@@ -181,7 +181,7 @@ def _canonical_reading(text: str, fixes: set[str]) -> _Reading:
             return _Reading(
                 problem=EntryProblem(
                     "invalid_hostname",
-                    f"label {_shown(label)} is not valid IDNA ({_brief(exc)}); write the "
+                    f"label {_shown(label)} is not valid IDNA ({brief(exc)}); write the "
                     "hostname in its A-label form",
                 )
             )

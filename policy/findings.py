@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from policy.text import clipped
+
 Severity = Literal["error", "warning"]
 
 _MAX_TEXT = 200
@@ -37,7 +39,7 @@ def describe_value(value: Any) -> Any:
             return value
         return "<NaN>" if math.isnan(value) else f"<{'-' if value < 0 else ''}infinity>"
     if isinstance(value, str):
-        return value if len(value) <= _MAX_TEXT else value[:_MAX_TEXT] + "…"
+        return clipped(value, _MAX_TEXT)
     if isinstance(value, list | tuple):
         return f"<list of {len(value)} items>"
     if isinstance(value, dict):
@@ -73,7 +75,7 @@ def key_text(key: Any) -> str:
     """A mapping key as a finding's path writes it (`network.KEY`), bounded: keys come from
     hostile documents too, and a path is printed in every message about the place."""
     if isinstance(key, str):
-        return key if len(key) <= _MAX_KEY else key[: _MAX_KEY - 1] + "…"
+        return clipped(key, _MAX_KEY - 1)
     return quote(key)
 
 

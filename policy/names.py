@@ -29,6 +29,7 @@ import idna
 from policy.addresses import parse_address
 from policy.errors import PolicyError
 from policy.reasons import Reason
+from policy.text import brief, clipped
 
 __all__ = [
     "DEFAULT_INTERNAL_SUFFIXES",
@@ -88,14 +89,7 @@ _NUMERIC_LABEL_RE = re.compile(r"[0-9]+|0[xX][0-9a-fA-F]*")
 
 
 def _shown(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= _SHOWN_MAX else text[: _SHOWN_MAX - 1] + "…"
-
-
-def _brief(exc: BaseException) -> str:
-    # idna echoes the whole input in its messages; keep ours one bounded line.
-    text = str(exc) or type(exc).__name__
-    return text if len(text) <= 120 else text[:119] + "…"
+    return clipped(repr(value), _SHOWN_MAX - 1)
 
 
 def _describe_char(ch: str) -> str:
@@ -175,7 +169,7 @@ def normalize_host(raw: str) -> str:
             name = idna.uts46_remap(raw, std3_rules=False, transitional=False)
         except ValueError as exc:
             raise _invalid_host(
-                raw, f"is not a valid internationalised name ({_brief(exc)})"
+                raw, f"is not a valid internationalised name ({brief(exc)})"
             ) from None
     if name.endswith("."):
         name = name[:-1]
@@ -185,7 +179,7 @@ def normalize_host(raw: str) -> str:
         if name.startswith("xn--") or ".xn--" in name:
             for label in name.split("."):
                 if label.startswith("xn--") and not _alabel_ok(label):
-                    raise _invalid_host(raw, f"label {label!r} is not a valid IDNA A-label")
+                    raise _invalid_host(raw, f"label {_shown(label)} is not a valid IDNA A-label")
         return name
     return _normalize_slow(raw, name)
 
@@ -220,14 +214,16 @@ def _normalize_slow(raw: str, name: str) -> str:
         try:
             labels.append(idna.alabel(label).decode("ascii"))
         except ValueError as exc:
-            raise _invalid_host(raw, f"label {label!r} is not valid IDNA ({_brief(exc)})") from None
+            raise _invalid_host(
+                raw, f"label {_shown(label)} is not valid IDNA ({brief(exc)})"
+            ) from None
     if _is_numeric_label(labels[-1]):
         raise _ip_literal(raw)
     for label in labels:
         if len(label) > _MAX_LABEL:
             raise _invalid_host(raw, f"has a label longer than {_MAX_LABEL} characters")
         if label.startswith("xn--") and not _alabel_ok(label):
-            raise _invalid_host(raw, f"label {label!r} is not a valid IDNA A-label")
+            raise _invalid_host(raw, f"label {_shown(label)} is not a valid IDNA A-label")
     result = ".".join(labels)
     if len(result) > _MAX_NAME:
         raise _invalid_host(raw, f"is longer than {_MAX_NAME} characters")

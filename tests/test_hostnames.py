@@ -364,6 +364,10 @@ INVALID_HOSTS = [
     "a\u2488com",
     "bü cher.example",
     "\u3000",
+    # Labels idna refuses, long: their messages once echoed the label whole (hundreds of
+    # characters, as many as the input has), and idna's message echoes it again.
+    "a" * 50 + "\u200d" * 40 + ".test",
+    "ü" * 30 + "\u200d" * 300 + ".test",
 ]
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 import unicodedata
 
+from policy.text import clipped
+
 _UNPRINTABLE = re.compile(r"[^\t -~]")
 
 
@@ -28,4 +30,4 @@ def one_line(text: str, limit: int) -> str:
     """`text` as one line of at most `limit` characters: no control characters (it may end up
     in an HTTP body or a message that promises one line)."""
     cleaned = "".join(ch if ch.isprintable() else "?" for ch in text[: limit + 1])
-    return cleaned if len(cleaned) <= limit else cleaned[: limit - 1] + "…"
+    return clipped(cleaned, limit - 1)

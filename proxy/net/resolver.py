@@ -34,6 +34,7 @@ import dns.rrset
 
 from policy import PolicyError, normalize_host
 from policy.reasons import Reason
+from policy.text import brief
 from proxy.common.errors import ProxyError
 from proxy.net.resolver_query import Failed, Reply, ask
 
@@ -52,6 +53,8 @@ MAX_CNAME_CHAIN = 34
 SYSTEM_RESOLV_CONF = "/etc/resolv.conf"
 _RDTYPES = (dns.rdatatype.A, dns.rdatatype.AAAA)
 _MAX_TTL = 2**31 - 1
+# A failure's detail (dnspython's text of it) in an audit line: a line, not a transcript.
+_MAX_DETAIL = 299
 MAX_RESOLV_CONF = 64 * 1024
 
 
@@ -341,7 +344,7 @@ class Resolver:
         except dns.exception.DNSException as exc:  # ChainTooLong, AnswerForNXDOMAIN, ...
             if nxdomain:  # no such name all the same; how long to believe it is ours to say
                 return _Family("nxdomain", ttl=int(self.negative_ttl))
-            return _Family("error", detail=f"{type(exc).__name__}: {_brief(exc)}")
+            return _Family("error", detail=f"{type(exc).__name__}: {brief(exc, _MAX_DETAIL)}")
         cnames = _chain(chaining.cnames)
         if nxdomain:
             return _Family("nxdomain", cnames=cnames, ttl=min(chaining.minimum_ttl, _MAX_TTL))
@@ -380,8 +383,3 @@ class Resolver:
             failure = _Failure(Reason.DNS_NO_ADDRESS, f"{host}: the name has no A or AAAA record")
         self._cache_put(host, failure, negative)
         return failure
-
-
-def _brief(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    return text if len(text) <= 300 else text[:297] + "..."
