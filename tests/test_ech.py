@@ -42,6 +42,7 @@ from proxy.common.errors import ProxyError
 from proxy.common.settings import ECH_ALLOW, ECH_REFUSE
 from proxy.decide.clienthello import ENCRYPTED_CLIENT_HELLO, ESNI, parse_client_hello
 from proxy.decide.events import CloseEvent, DecisionEvent
+from proxy.decide.planes import Update
 from proxy.decide.sni_gate import check_hello, read_hello
 
 pytestmark = pytest.mark.integration  # it opens sockets or starts processes
@@ -228,7 +229,7 @@ async def test_a_reload_changes_the_setting_for_the_next_tunnel(dns: DNSServer) 
     async with serving(Upstream(raw=True)) as upstream, opened(dns) as door:
         _, first = await tunnel(door, upstream, data)
         assert await received(upstream, len(data)) == data
-        door.door.reconfigure(load_config(make_config(dns, extra=REFUSE)))
+        door.door.configure(Update(config=load_config(make_config(dns, extra=REFUSE))))
         # The limits stay those of the start: only tls.ech changes while running.
         assert door.door.door.config.limits == door.config.limits
         reader, second = await tunnel(door, upstream, data)

@@ -51,6 +51,7 @@ from proxy.common.listeners import Listener
 from proxy.common.refusals import DENIED_HEADER, ERROR_HEADER
 from proxy.dataplane.frontdoor import FrontDoor
 from proxy.decide.interception import Destination
+from proxy.decide.planes import Update
 from proxy.decide.vetting import Peer, Vetter
 from proxy.l7.engine import Engine
 from proxy.net.resolver import Resolver
@@ -312,7 +313,7 @@ async def test_reload_closes_intercepted_connections_the_new_policy_denies(
             assert (await exchange(reader, writer, get(f"{host}:{upstream.port}")))[0] == 200
         operator = proxy.engine.policy.operator
         policy = compile_policy(load_manifest("network:\n  egress: [up.test]\n"), None, operator)
-        closed = proxy.set_policy(policy)
+        closed = proxy.reload(policy)
         assert len(closed) == 1
         assert await closed_by_peer(narrowed[0])
         # The allowed one stays open and keeps serving.
@@ -333,7 +334,8 @@ async def test_an_exception_in_a_hook_denies(proxy: Running) -> None:
         assert status == 403
         assert headers[DENIED_HEADER.lower()] == "internal_error"
         # A reload whose re-decision raises closes the connection (fail closed).
-        assert len(proxy.engine.set_policy(ExplodingPolicy())) == 1  # type: ignore[arg-type]
+        exploding = Update(policy=ExplodingPolicy())  # type: ignore[arg-type]
+        assert len(proxy.engine.configure(exploding)) == 1
         assert await closed_by_peer(reader)
         writer.close()
     assert upstream.connections == 0

@@ -41,6 +41,7 @@ from support.tls import tls_context, trusted_ca
 
 from policy import compile_policy, load_manifest
 from proxy.dataplane.heads import MAX_CONNECT_HEAD
+from proxy.decide.planes import Update
 
 pytestmark = pytest.mark.integration  # it opens sockets or starts processes
 
@@ -621,7 +622,8 @@ async def test_reload_closes_the_tunnels_the_new_policy_denies(dns: DNSServer) -
         denied_reader, denied_writer = await open_tunnel(door, "tls.test", narrowed)
         kept_reader, kept_writer = await open_tunnel(door, "up.test", kept)
         operator = door.door.vetter.policy.operator
-        closed = door.door.set_policy(compile_policy(load_manifest(NARROWER), None, operator))
+        narrower = compile_policy(load_manifest(NARROWER), None, operator)
+        closed = door.door.configure(Update(policy=narrower))
         assert len(closed) == 1
         assert await closed_by_peer(denied_reader)
         (close,) = await door.wait_closes(1)
@@ -656,7 +658,7 @@ async def test_reload_also_closes_a_tunnel_still_waiting_for_its_client_hello(
         status, _, reader, writer = await connect(door, f"tls.test:{upstream.port}")
         assert status == 200
         operator = door.door.vetter.policy.operator
-        door.door.set_policy(compile_policy(load_manifest(NARROWER), None, operator))
+        door.door.configure(Update(policy=compile_policy(load_manifest(NARROWER), None, operator)))
         with contextlib.suppress(ConnectionError):
             writer.write(python_hello("tls.test"))
             await writer.drain()
@@ -759,7 +761,7 @@ async def test_drain_stops_accepting_and_closes_what_remains_after_the_timeout(
 @pytest.mark.asyncio
 async def test_an_exception_in_the_decision_denies_with_403(dns: DNSServer) -> None:
     async with serving(Upstream(raw=True)) as upstream, opened(dns) as door:
-        door.door.set_policy(ExplodingPolicy())
+        door.door.configure(Update(policy=ExplodingPolicy()))
         reader, writer = await asyncio.open_connection("127.0.0.1", door.port)
         authority = f"tls.test:{upstream.port}"
         writer.write(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())

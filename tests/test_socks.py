@@ -37,6 +37,7 @@ from support.upstreams import TLS_BODY, TLSUpstream, tls_upstream
 
 from proxy.cli import main
 from proxy.common.listeners import Listener, parse_listener
+from proxy.decide.planes import Update
 
 pytestmark = pytest.mark.integration  # it opens sockets or starts processes
 
@@ -653,7 +654,8 @@ async def test_an_exception_before_the_reply_is_reply_1(dns: DNSServer) -> None:
     with recording() as upstream:
         async with socks_door(dns, "", MANIFEST) as served:
             door, port, audit = served.door, served.port, served.audit
-            door.set_policy(types.SimpleNamespace(decide=boom, check_addresses=boom))  # type: ignore[arg-type]
+            exploding = types.SimpleNamespace(decide=boom, check_addresses=boom)
+            door.configure(Update(policy=exploding))  # type: ignore[arg-type]
             answer = await socks_exchange(port, b"\x05\x01\x00" + request("up.test", upstream.port))
             assert answer == b"\x05\x00" + b"\x05\x01\x00\x01\x00\x00\x00\x00\x00\x00"
             assert "internal_error" in audit.getvalue()

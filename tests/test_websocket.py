@@ -299,7 +299,7 @@ async def test_reload_closes_a_live_wss_whose_path_the_new_policy_denies(dns: DN
             None,
             operator,
         )
-        assert len(proxy.set_policy(narrower)) == 1
+        assert len(proxy.reload(narrower)) == 1
         await closed_but_the_other_serves(dropped, kept)
         closes = lambda: [x for x in proxy.lines() if x["event"] == "close"]  # noqa: E731
         await eventually(lambda: len(closes()) == 2, "two close lines")
@@ -480,7 +480,7 @@ async def test_reload_closes_a_live_websocket_the_new_policy_denies(
     assert answer.status == 101
     operator = proxy.engine.policy.operator
     narrower = compile_policy(load_manifest("network:\n  egress: [ws.test]\n"), None, operator)
-    assert len(proxy.set_policy(narrower)) == 1
+    assert len(proxy.reload(narrower)) == 1
     await closed_but_the_other_serves(dropped, kept)
     await eventually(lambda: len([x for x in proxy.lines() if x["event"] == "close"]) == 2, "2")
     reasons = sorted((x["host"], x["reason"]) for x in proxy.lines() if x["event"] == "close")

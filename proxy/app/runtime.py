@@ -20,25 +20,27 @@ Signals (handled on the event loop):
   live connections get up to the drain timeout to finish, then the engine and the admin listener
   stop and the process exits 0. A second signal skips the rest of the drain.
 - SIGHUP: re-reads the ceiling and the operator config files and recompiles the policy (the
-  manifest is immutable for an agent version: its bytes are the ones read at start-up). Only a
-  policy that compiled replaces the running one; any failure keeps the old policy, says why on
-  stderr and counts a failed reload. The new policy applies to every later decision, and live
-  client connections (CONNECT tunnels, keep-alive plain HTTP) with a destination it denies are
-  closed (`FrontDoor.set_policy`, `Engine.set_policy`; their close lines say
-  `policy_reload`); the DNS listeners answer with the new policy and resolver; `tls.ech`
-  applies to the tunnels whose ClientHello is read after the reload. `limits` apply
-  from start-up only; a changed DNS configuration takes effect with a new resolver (refused,
-  keeping the old one, when a nameserver is one of our own listeners). Turning inspection on,
-  changing `inspection.mode`, its CA directory or its upstream bundle needs a restart (the
-  reload fails and says so); turning it off closes the intercepted connections.
+  manifest is immutable for an agent version: its bytes are the ones read at start-up). What
+  changed is one `Update` (proxy/decide/planes.py), checked whole first and then given to every
+  running plane the same way, `plane.configure(update)`: the front door, the engine, the DNS
+  listeners. Any failure comes before any plane is touched: the old policy stays, stderr says
+  why and a failed reload is counted. The new policy applies to every later decision, and live
+  client connections (CONNECT tunnels, keep-alive plain HTTP, intercepted ones) with a
+  destination it denies are closed (their close lines say `policy_reload`); the DNS listeners
+  answer with the new policy and resolver; `tls.ech` applies to the tunnels whose ClientHello is
+  read after the reload. `limits` apply from start-up only; a changed DNS configuration takes
+  effect with a new resolver (refused, keeping the old one, when a nameserver is one of our own
+  listeners). Turning inspection on, changing `inspection.mode`, its CA directory or its
+  upstream bundle needs a restart (the reload fails and says so); turning it off closes
+  the intercepted connections.
 
 Learning mode (`learn=True`, `run --learn`): every Vetter lets through the refusals only a
 manifest entry could lift (policy/learning.py), audited as `would_deny`; said on stderr at
 start, on `/readyz` (`learn: true`) and in `egress_learn_mode`. It never starts where the
 operator config says `learn: forbid`. A SIGHUP reload whose config says `learn: forbid` stops
 learning for good (fail closed: the session goes on enforcing, and the live connections only
-learning let through are closed), even when the rest of that reload fails; a later
-`learn: allow` does not turn it back on.
+learning let through are closed: an `Update` of its own), even when the rest of that reload
+fails; a later `learn: allow` does not turn it back on.
 
 Asking mode (`ask_token=FILE`, `run --ask --ask-token FILE`): every Vetter holds the refusals a
 person may be asked about (policy/asking.py) until someone answers on the admin listener with
@@ -69,13 +71,14 @@ from proxy.app.messages import LEARNING, PrintableFormatter, asking, listening, 
 from proxy.app.open_files import raise_open_files_limit
 from proxy.common.errors import ProxyError
 from proxy.common.listeners import Listener, OwnListeners, format_listen
-from proxy.common.settings import FORBID, Limits
+from proxy.common.settings import FORBID, Config, Limits
 from proxy.common.terminal import printable
 from proxy.dataplane.frontdoor import FrontDoor
 from proxy.decide.asks import AskLimits, Asks
 from proxy.decide.attribution import Attribution
 from proxy.decide.interception import engine_needed
-from proxy.decide.vetting import Vetter
+from proxy.decide.planes import Plane, Update
+from proxy.decide.vetting import Resolves, Vetter
 from proxy.dns_responder.responder import DnsResponder
 from proxy.dns_responder.server import DnsServer, ServerLimits
 from proxy.net.resolver import Resolver
@@ -135,7 +138,7 @@ class Runtime:
         self.trust: TrustFiles | None = None  # published once the CA is loaded
         self.front: FrontDoor | None = None
         self.dns: DnsServer | None = None
-        self.resolver: Resolver | None = None
+        self.resolver: Resolves | None = None
         self._engine_lock = asyncio.Lock()
         self.admin: AdminServer | None = None
         self.audit: AuditLog | None = None
@@ -234,7 +237,7 @@ class Runtime:
             if self.engine is not None:
                 await self.engine_for_intercept()
             self.front = FrontDoor(
-                self._l4_vetter(resolver),
+                self._vetter("l4", resolver),
                 config,
                 self.metrics,
                 self.audit,
@@ -275,14 +278,16 @@ class Runtime:
         if warning is not None:
             self.say(warning)
 
-    def _l4_vetter(self, resolver: Resolver) -> Vetter:
-        """The front door's and the DNS responder's: each its own (a reload swaps both)."""
+    def _vetter(self, plane: str, resolver: Resolves) -> Vetter:
+        """A plane's own Vetter (`l4`: the front door's and the DNS responder's; `l7`: the
+        engine's), with the session's policy and modes as they are now; a reload changes them
+        through the planes (`_configure`)."""
         return Vetter(
             self.compiled.policy,
             resolver,
             self.metrics,
             self.audit,
-            plane="l4",
+            plane=plane,
             learn=self.learning,
             asks=self.asks,
             own=self.own,
@@ -295,7 +300,7 @@ class Runtime:
             return ()
         limits = self.compiled.config.limits
         self.dns = DnsServer(
-            DnsResponder(self._l4_vetter(resolver), self.metrics, self.attribution),
+            DnsResponder(self._vetter("l4", resolver), self.metrics, self.attribution),
             ServerLimits(header_timeout=limits.header_timeout, idle_timeout=limits.idle_timeout),
         )
         return await self.dns.start(self.dns_listen)
@@ -309,11 +314,8 @@ class Runtime:
 
         assert self.resolver is not None
         self.engine = Engine(
-            self.compiled.policy, self.resolver, self.compiled.config, self.metrics, self.audit
+            self._vetter("l7", self.resolver), self.compiled.config, self.metrics, self.audit
         )
-        self.engine.vetter.learn = self.learning
-        self.engine.vetter.asks = self.asks
-        self.engine.vetter.own = self.own
         return self.engine
 
     async def engine_for_intercept(self) -> Engine:
@@ -322,8 +324,8 @@ class Runtime:
         async with self._engine_lock:
             engine = self.engine if self.engine is not None else self._new_engine()
             if engine.master is None:
-                # A reload's policy may need the engine a start-up one did not.
-                engine.set_policy(self.compiled.policy)
+                # A reload's policy may need the engine a start-up one did not. Made or not
+                # yet, it took every reload since (`_configure`): nothing to catch up on.
                 await engine.start()
                 self.metrics.engine_loaded(True)
                 if self.trust is None and engine.ca is not None:
@@ -403,7 +405,8 @@ class Runtime:
     # -- reload --------------------------------------------------------------------------------
 
     async def reload(self) -> bool:
-        """Recompile from the ceiling and config files; swap only a policy that compiled."""
+        """Recompile from the ceiling and config files, and give every plane the one update
+        (proxy/decide/planes.py); swap only a policy that compiled."""
         async with self._reload_lock:
             try:
                 compiled = await asyncio.to_thread(compile_inputs, self.inputs)
@@ -420,10 +423,7 @@ class Runtime:
                 return False
             if self.front is None or self._stop.is_set():
                 return False
-            if self.learning and compiled.config.learn == FORBID:
-                self._stop_learning(compiled.config.source)
-            if self.asks is not None and compiled.config.ask == FORBID:
-                self._stop_asking(compiled.config.source)
+            self._forbid(compiled.config)
             old = self.compiled.config
             new = compiled.config
             restart = needs_restart(old, new)
@@ -431,6 +431,7 @@ class Runtime:
                 self.metrics.reload(ok=False)
                 self.say(f"reload failed, keeping the previous policy: {restart}")
                 return False
+            resolver = None
             if (old.nameservers, old.dns_timeout) != (new.nameservers, new.dns_timeout):
                 try:
                     resolver = Resolver.from_config(new)
@@ -439,23 +440,9 @@ class Runtime:
                     self.metrics.reload(ok=False)
                     self.say(f"reload failed, keeping the previous policy: {exc}")
                     return False
+            closed = self._configure(Update(policy=compiled.policy, resolver=resolver, config=new))
+            if resolver is not None:
                 self.resolver = resolver
-                if self.front is not None:
-                    self.front.vetter.resolver = resolver
-                if self.engine is not None:
-                    self.engine.set_resolver(resolver)
-                if self.dns is not None:
-                    self.dns.set_resolver(resolver)
-            closed: list[str] = []
-            if self.front is not None:
-                self.front.reconfigure(new)
-                closed += self.front.set_policy(compiled.policy)
-            if self.engine is not None:
-                closed += self.engine.set_policy(compiled.policy)
-                # Secrets were read again with the config (inputs.compile_inputs): a rotation.
-                self.engine.set_credentials(new.credentials)
-            if self.dns is not None:
-                self.dns.set_policy(compiled.policy)
             if self.asks is not None and self.front is not None:
                 # Held connections are decided under the new policy where it says otherwise.
                 self.asks.reconsider(self.front.vetter.still_asked)
@@ -468,48 +455,48 @@ class Runtime:
             )
             return True
 
-    def _vetters(self) -> list[Vetter]:
-        vetters = [self.front.vetter if self.front is not None else None]
-        vetters += [self.engine.vetter if self.engine is not None else None]
-        vetters += [self.dns.responder.vetter if self.dns is not None else None]
-        return [vetter for vetter in vetters if vetter is not None]
+    def _planes(self) -> list[Plane]:
+        planes: list[Plane | None] = [self.front, self.engine, self.dns]
+        return [plane for plane in planes if plane is not None]
+
+    def _configure(self, update: Update) -> list[str]:
+        """Every running plane takes `update`, the same way: the ids of the live connections
+        they closed."""
+        closed: list[str] = []
+        for plane in self._planes():
+            closed += plane.configure(update)
+        return closed
+
+    def _forbid(self, config: Config) -> None:
+        """Learning or asking off for good where a reloaded config says `forbid`."""
+        if self.learning and config.learn == FORBID:
+            self._stop_learning(config.source)
+        if self.asks is not None and config.ask == FORBID:
+            self._stop_asking(config.source)
 
     def _stop_asking(self, source: str | None) -> None:
         """Asking off in every plane, for the rest of the session: the held connections are
         refused, and the live ones only a person's answer let through are closed."""
         asks, self.asks = self.asks, None
-        for vetter in self._vetters():
-            vetter.asks = None
         self.readiness.asking = False
+        closed = self._configure(Update(stop_asking=True))
         if asks is not None:
+            # The planes no longer ask it: the connections it held decide again, refused.
             asks.reconsider(lambda target: False)
             asks.close()
-        closed = self._redecide_live()
         self.say(
             f"ASKING STOPPED: the config ({source or 'reloaded'}) now says 'ask: forbid'; "
             f"nothing is held for a person from now on and the session's grants no longer "
             f"apply ({len(closed)} live connection(s) only a person's answer let through closed)"
         )
 
-    def _redecide_live(self) -> list[str]:
-        """Every live connection decided again on the running policy (as the planes' Vetters
-        now decide): the ids of those it no longer allows, closed."""
-        closed: list[str] = []
-        if self.front is not None:
-            closed += self.front.set_policy(self.compiled.policy)
-        if self.engine is not None:
-            closed += self.engine.set_policy(self.compiled.policy)
-        return closed
-
     def _stop_learning(self, source: str | None) -> None:
         """Learning off in every plane, for the rest of the session, and the live connections
         only learning let through closed (re-decided on the running policy, now without it)."""
         self.learning = False
-        for vetter in self._vetters():
-            vetter.learn = False
         self.readiness.learning = False
         self.metrics.learn_mode(False)
-        closed = self._redecide_live()
+        closed = self._configure(Update(stop_learning=True))
         self.say(
             f"LEARNING STOPPED: the config ({source or 'reloaded'}) now says 'learn: forbid'; "
             f"the policy is enforced in full from now on ({len(closed)} live connection(s) "

@@ -2,8 +2,7 @@
 
     door = FrontDoor(vetter, config, metrics, audit, engine=lazy_engine)
     bound = await door.start([Listener("http", "127.0.0.1", 3128)])
-    door.set_policy(policy)       # reload: live connections the new policy denies are closed
-    door.reconfigure(config)      # reload: the operator settings later tunnels use (tls.ech)
+    door.configure(Update(policy=policy, config=config))   # a reload (proxy/decide/planes.py)
     await door.drain(5.0)
 
 Every connection is accepted here, as an `asyncio.Protocol` of its listener's kind
@@ -29,14 +28,15 @@ from proxy.common.errors import ProxyError
 from proxy.common.listeners import Listener
 from proxy.dataplane.connection import Door
 from proxy.dataplane.kinds import protocol_for
+from proxy.decide.planes import configure_vetter
 from proxy.net.sockets import listening_socket
 
 if TYPE_CHECKING:
-    from policy import Policy
     from proxy.common.settings import Config
     from proxy.decide.attribution import Attribution
     from proxy.decide.events import AuditSink, MetricsSink
     from proxy.decide.interception import Interceptor
+    from proxy.decide.planes import Update
     from proxy.decide.vetting import Vetter
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,17 @@ class FrontDoor:
     def live(self) -> int:
         return self.door.live
 
-    def reconfigure(self, config: Config) -> None:
+    def configure(self, update: Update) -> list[str]:
+        """A reload, as every plane takes it (proxy/decide/planes.py): later decisions use what
+        changed, and when the policy, learning or asking changed, every live connection the
+        update no longer allows is closed. Returns the connection ids closed. (The engine's
+        connections are the engine's to re-decide.)"""
+        configure_vetter(self.door.vetter, update)
+        if update.config is not None:
+            self._reconfigure(update.config)
+        return self._redecide() if update.redecides else []
+
+    def _reconfigure(self, config: Config) -> None:
         """A reloaded operator config: what it may change while running applies to later
         tunnels (`tls.ech`, read by each SNI gate as it runs) and requests (`credentials`, with
         their secrets read again: which hosts are intercepted, what plain HTTP carries); the rest
@@ -134,10 +144,9 @@ class FrontDoor:
             await asyncio.wait(handoffs, timeout=5)
         self.door.close_pool()
 
-    def set_policy(self, policy: Policy) -> list[str]:
-        """Every later decision uses `policy`; live connections it denies are closed. Returns
-        the connection ids closed. (The engine's connections are the engine's to re-decide.)"""
-        self.door.vetter.policy = policy
+    def _redecide(self) -> list[str]:
+        """Every live connection decided again, as the door's Vetter now decides: the ids of
+        those no longer allowed, closed."""
         closed: list[str] = []
         for connection in list(self.door.connections):
             try:

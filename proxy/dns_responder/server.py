@@ -5,7 +5,7 @@ with dnspython (proxy/dns_responder/wire.py), every query decided by DnsResponde
 
     server = DnsServer(responder, ServerLimits(header_timeout=10, idle_timeout=600))
     bound = await server.start([Listener("dns", "127.0.0.1", 0)])   # all or none
-    server.set_policy(policy); server.set_resolver(resolver)       # a reload
+    server.configure(Update(policy=policy, resolver=resolver))     # a reload
     await server.stop()
 
 Bounds, each a refusal with an audit line when reached (reason, and how it shows):
@@ -42,14 +42,14 @@ import dns.message
 from policy.reasons import Reason
 from proxy.common.errors import ProxyError
 from proxy.common.listeners import Listener, OwnListeners
+from proxy.decide.planes import configure_vetter
 from proxy.decide.vetting import Peer, next_connection_id
 from proxy.dns_responder.responder import FORMERR, DnsQuery, DnsResponder
 from proxy.dns_responder.tcp_listener import TcpConnection
 from proxy.dns_responder.wire import Unanswerable, read_query, render, udp_limit
 
 if TYPE_CHECKING:
-    from policy import Policy
-    from proxy.decide.vetting import Resolves
+    from proxy.decide.planes import Update
 
 logger = logging.getLogger(__name__)
 
@@ -149,11 +149,11 @@ class DnsServer:
         self._udp.clear()
         self._servers.clear()
 
-    def set_policy(self, policy: Policy) -> None:
-        self.responder.vetter.policy = policy
-
-    def set_resolver(self, resolver: Resolves) -> None:
-        self.responder.vetter.resolver = resolver
+    def configure(self, update: Update) -> list[str]:
+        """A reload, as every plane takes it (proxy/decide/planes.py): later queries are decided
+        with what changed. A DNS answer is over once sent: nothing live to close."""
+        configure_vetter(self.responder.vetter, update)
+        return []
 
     # -- queries -----------------------------------------------------------------------------
 

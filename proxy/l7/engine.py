@@ -1,11 +1,11 @@
 """The interception engine: mitmproxy embedded in-process, serving the TLS connections the front
 door hands it, each from the TLS layer on with its destination decided.
 
-    engine = Engine(policy, resolver, config, metrics, audit)
+    engine = Engine(Vetter(policy, resolver, metrics, audit, plane="l7"), config, metrics, audit)
     engine.prepare()                    # the CA and the upstream bundle, before anything listens
     await engine.start()
     await engine.intercept(sock, hello, destination)    # Door.intercept; returns when it ended
-    engine.set_policy(new_policy)       # reload: live connections the new policy denies close
+    engine.configure(Update(policy=new_policy))   # a reload: live connections it denies close
     await engine.drain(5.0)
     await engine.stop()
 
@@ -32,7 +32,6 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from mitmproxy import options
@@ -43,7 +42,7 @@ from policy.reasons import Reason
 from proxy.common.errors import ProxyError
 from proxy.common.refusals import Refused
 from proxy.decide.events import CloseEvent
-from proxy.decide.vetting import Vetter
+from proxy.decide.planes import configure_vetter
 from proxy.l7 import patches
 from proxy.l7.addons import STREAM_LARGE_BODIES, Pinning, PreferH2, RequestGate
 from proxy.l7.injector import CredentialInjector
@@ -53,10 +52,11 @@ from proxy.tls.ca import CertificateAuthority, check_upstream_ca, ensure_ca
 
 if TYPE_CHECKING:
     from policy import Policy
-    from proxy.common.settings import Config, Credential
+    from proxy.common.settings import Config
     from proxy.decide.events import AuditSink, MetricsSink
     from proxy.decide.interception import Destination
-    from proxy.decide.vetting import Resolves
+    from proxy.decide.planes import Update
+    from proxy.decide.vetting import Vetter
 
 logger = logging.getLogger(__name__)
 
@@ -89,12 +89,13 @@ class _CountingWriter(asyncio.StreamWriter):
 
 
 class Engine:
-    """TLS interception as a component: prepare, start, intercept, set_policy, drain, stop."""
+    """TLS interception as a component: prepare, start, intercept, configure, drain, stop.
+    `vetter` decides for it (plane `l7`), made by the runtime with the session's modes as every
+    plane's is."""
 
     def __init__(
         self,
-        policy: Policy,
-        resolver: Resolves,
+        vetter: Vetter,
         config: Config,
         metrics: MetricsSink | None = None,
         audit: AuditSink | None = None,
@@ -103,7 +104,7 @@ class Engine:
         self.metrics = metrics
         self.audit = audit
         # Decisions, with their metrics and audit lines, are the shared code of both planes.
-        self.vetter = Vetter(policy, resolver, metrics, audit, plane="l7")
+        self.vetter = vetter
         self.ledger = Ledger()
         # Operator credentials, put into allowed requests to their hosts (RequestGate).
         self.credentials = CredentialInjector(config.credentials, metrics)
@@ -134,12 +135,17 @@ class Engine:
             self.ca = ensure_ca(self.config.ca_dir)
         return self.ca
 
-    def set_policy(self, policy: Policy) -> list[str]:
-        """Every decision from now on uses `policy` (a reload), and every live connection whose
-        destination it denies is closed: the name the connection was decided for, and the URL
-        that opened its WebSocket, decided again on their checked addresses. Returns the
-        front door's connection ids of those closed."""
-        self.vetter.policy = policy
+    def configure(self, update: Update) -> list[str]:
+        """A reload, as every plane takes it (proxy/decide/planes.py): later requests use what
+        changed (the credentials through the injector), and when the policy, learning or asking
+        changed, every live connection whose destination the update no longer allows is closed:
+        the name the connection was decided for, and the URL that opened its WebSocket, decided
+        again on their checked addresses. Returns the front door's connection ids of those
+        closed."""
+        configure_vetter(self.vetter, update)
+        self.credentials.configure(update)
+        if not update.redecides:
+            return []
         closed: list[str] = []
         for connection in list(self._live):
             try:
@@ -158,14 +164,6 @@ class Engine:
         if connection.upgraded is not None:
             targets.append(connection.upgraded)
         return all(self.vetter.still_allowed(target, pinned, True) for target in targets)
-
-    def set_credentials(self, credentials: Sequence[Credential]) -> None:
-        """Later requests get these credentials (a reload: rotated secrets, changed entries)."""
-        self.credentials.set_credentials(credentials)
-
-    def set_resolver(self, resolver: Resolves) -> None:
-        """Later requests resolve with `resolver` (a reload with a new DNS configuration)."""
-        self.vetter.resolver = resolver
 
     # -- life cycle ----------------------------------------------------------------------------
 

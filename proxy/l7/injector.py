@@ -4,7 +4,7 @@ fields are the same list; HTTP/2's names are lowercase).
 
     injector = CredentialInjector(config.credentials, metrics)
     name = injector.apply(flow.request, destination.host)   # after the request is allowed
-    injector.set_credentials(new.credentials)               # a reload (a rotated secret)
+    injector.configure(Update(config=new))                  # a reload (a rotated secret)
 
 `RequestGate` (proxy/l7/addons.py) calls `apply` once a request is allowed, before its allow
 line, which names what was put in; the request then goes only to the checked addresses of its
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
     from proxy.common.settings import Credential
     from proxy.decide.events import MetricsSink
+    from proxy.decide.planes import Update
 
 
 class CredentialInjector:
@@ -32,8 +33,12 @@ class CredentialInjector:
         self.credentials = tuple(credentials)
         self.metrics = metrics
 
-    def set_credentials(self, credentials: Sequence[Credential]) -> None:
-        self.credentials = tuple(credentials)
+    def configure(self, update: Update) -> list[str]:
+        """A reload (proxy/decide/planes.py): later requests get the reloaded config's
+        credentials, their secrets read again (a rotation). It holds no connection: closes none."""
+        if update.config is not None:
+            self.credentials = tuple(update.config.credentials)
+        return []
 
     def apply(self, request: http.Request, host: str) -> str | None:
         """Puts `host`'s credentials into an allowed request; the audit line's `credential`

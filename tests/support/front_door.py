@@ -99,7 +99,8 @@ async def opened(
     async def engine() -> Engine:
         async with lock:
             if not engines:
-                started = Engine(policy, resolver, config, metrics, audit)
+                vetter = Vetter(policy, resolver, metrics, audit, plane="l7")
+                started = Engine(vetter, config, metrics, audit)
                 await started.start()
                 metrics.engine_loaded(True)
                 engines.append(started)

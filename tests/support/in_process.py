@@ -29,6 +29,7 @@ from proxy.app.config import load_config
 from proxy.common.listeners import Listener
 from proxy.dataplane.frontdoor import FrontDoor
 from proxy.decide.interception import engine_needed
+from proxy.decide.planes import Update
 from proxy.decide.vetting import Vetter
 from proxy.l7.engine import Engine
 from proxy.net.resolver import Resolver
@@ -175,9 +176,10 @@ class Running:
             await asyncio.sleep(0.02)
         return self.closes()
 
-    def set_policy(self, policy: Policy) -> list[str]:
-        """A reload, as the runtime does it: both planes."""
-        return self.front.set_policy(policy) + self.engine.set_policy(policy)
+    def reload(self, policy: Policy) -> list[str]:
+        """A reload to `policy`, as the runtime gives it: one update to both planes."""
+        update = Update(policy=policy)
+        return self.front.configure(update) + self.engine.configure(update)
 
     def metric(self, text: str) -> bool:
         return text in self.metrics.render()[0].decode()
@@ -210,7 +212,7 @@ async def started(
     stream = io.StringIO()
     audit = AuditLog(stream=stream, session="test-session", metrics=metrics)
     resolver = Resolver.from_config(config)
-    engine = Engine(policy, resolver, config, metrics, audit)
+    engine = Engine(Vetter(policy, resolver, metrics, audit, plane="l7"), config, metrics, audit)
     lock = asyncio.Lock()
 
     async def lazily() -> Engine:
