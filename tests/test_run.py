@@ -90,6 +90,12 @@ def test_run_serves_reloads_and_drains(
         proxy.files.ceiling.write_text("egress: [\n")
         proxy.send_signal(signal.SIGHUP)
         wait_for(lambda: "reload failed" in proxy.stderr())
+        # One line says why: the loader's reason code, the file and the place in it.
+        failed = next(line for line in proxy.stderr().splitlines() if "reload failed" in line)
+        assert failed.startswith(
+            "egress-proxy: reload failed (yaml_syntax), keeping the previous policy: "
+            f"{proxy.files.ceiling}:2:1: YAML syntax error"
+        ), failed
         assert curl(port, f"http://up.test:{up}/y").status == 200
         metrics = http_get(f"http://127.0.0.1:{admin}/metrics")[1]
         assert re.search(r'egress_reloads_total\{result="failure"\} 1\.0', metrics), metrics

@@ -21,17 +21,18 @@ Signals (handled on the event loop):
   stop and the process exits 0. A second signal skips the rest of the drain.
 - SIGHUP: re-reads the ceiling and the operator config files and recompiles the policy (the
   manifest is immutable for an agent version: its bytes are the ones read at start-up). What
-  changed is one `Update` (proxy/decide/planes.py), checked whole first and then given to every
-  running plane the same way, `plane.configure(update)`: the front door, the engine, the DNS
-  listeners. Any failure comes before any plane is touched: the old policy stays, stderr says
-  why and a failed reload is counted. The new policy applies to every later decision, and live
+  changed is one `Update` (proxy/decide/planes.py), checked whole first (proxy/app/reload.py)
+  and then given to every running plane the same way, `plane.configure(update)`: the front
+  door, the engine, the DNS listeners. Any failure is one `ReloadRefused`, before any plane is
+  touched: the old policy stays, one line on stderr says why (its reason code, file:line:column)
+  and a failed reload is counted. The new policy applies to every later decision, and live
   client connections (CONNECT tunnels, keep-alive plain HTTP, intercepted ones) with a
   destination it denies are closed (their close lines say `policy_reload`); the DNS listeners
   answer with the new policy and resolver; `tls.ech` applies to the tunnels whose ClientHello is
   read after the reload. `limits` apply from start-up only; a changed DNS configuration takes
   effect with a new resolver (refused, keeping the old one, when a nameserver is one of our own
   listeners). Turning inspection on, changing `inspection.mode`, its CA directory or its
-  upstream bundle needs a restart (the reload fails and says so); turning it off closes
+  upstream bundle needs a restart (the reload is refused and says so); turning it off closes
   the intercepted connections.
 
 Learning mode (`learn=True`, `run --learn`): every Vetter lets through the refusals only a
@@ -39,8 +40,8 @@ manifest entry could lift (policy/learning.py), audited as `would_deny`; said on
 start, on `/readyz` (`learn: true`) and in `egress_learn_mode`. It never starts where the
 operator config says `learn: forbid`. A SIGHUP reload whose config says `learn: forbid` stops
 learning for good (fail closed: the session goes on enforcing, and the live connections only
-learning let through are closed: an `Update` of its own), even when the rest of that reload
-fails; a later `learn: allow` does not turn it back on.
+learning let through are closed: an `Update` of its own), even when the rest of that reload is
+refused; a later `learn: allow` does not turn it back on.
 
 Asking mode (`ask_token=FILE`, `run --ask --ask-token FILE`): every Vetter holds the refusals a
 person may be asked about (policy/asking.py) until someone answers on the admin listener with
@@ -62,13 +63,14 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
-from policy import Policy, PolicyError
+from policy import Policy
 from proxy import __version__
 from proxy.app.ask_token import read_or_create_token
-from proxy.app.checks import needs_restart, refuse_own_nameservers
+from proxy.app.checks import refuse_own_nameservers
 from proxy.app.inputs import Compiled, Inputs, compile_inputs, refuse_forbidden
 from proxy.app.messages import LEARNING, PrintableFormatter, asking, listening, try_it
 from proxy.app.open_files import raise_open_files_limit
+from proxy.app.reload import NOT_RUNNING, ReloadRefused, reload_update
 from proxy.common.errors import ProxyError
 from proxy.common.listeners import Listener, OwnListeners, format_listen
 from proxy.common.settings import FORBID, Config, Limits
@@ -406,43 +408,21 @@ class Runtime:
 
     async def reload(self) -> bool:
         """Recompile from the ceiling and config files, and give every plane the one update
-        (proxy/decide/planes.py); swap only a policy that compiled."""
+        (proxy/decide/planes.py), or refuse the reload whole (proxy/app/reload.py): True when
+        applied."""
         async with self._reload_lock:
             try:
-                compiled = await asyncio.to_thread(compile_inputs, self.inputs)
-            except PolicyError as exc:
-                self.metrics.reload(ok=False)
-                self.say(f"reload failed, keeping the previous policy: {exc}")
+                compiled = await self._recompiled()
+                # Before the checks: a config that forbids learning or asking stops it even when
+                # the rest of its reload is refused (fail closed).
+                self._forbid(compiled.config)
+                update = reload_update(self.compiled.config, compiled, self.own)
+            except ReloadRefused as refused:
+                self._refused(refused)
                 return False
-            except Exception as exc:  # fail closed on the old policy, never crash the proxy
-                self.metrics.reload(ok=False)
-                self.say(
-                    "reload failed (internal error "
-                    f"{type(exc).__name__}: {str(exc)[:200]}), keeping the previous policy"
-                )
-                return False
-            if self.front is None or self._stop.is_set():
-                return False
-            self._forbid(compiled.config)
-            old = self.compiled.config
-            new = compiled.config
-            restart = needs_restart(old, new)
-            if restart:
-                self.metrics.reload(ok=False)
-                self.say(f"reload failed, keeping the previous policy: {restart}")
-                return False
-            resolver = None
-            if (old.nameservers, old.dns_timeout) != (new.nameservers, new.dns_timeout):
-                try:
-                    resolver = Resolver.from_config(new)
-                    refuse_own_nameservers(resolver, self.own)
-                except Exception as exc:
-                    self.metrics.reload(ok=False)
-                    self.say(f"reload failed, keeping the previous policy: {exc}")
-                    return False
-            closed = self._configure(Update(policy=compiled.policy, resolver=resolver, config=new))
-            if resolver is not None:
-                self.resolver = resolver
+            closed = self._configure(update)
+            if update.resolver is not None:
+                self.resolver = update.resolver
             if self.asks is not None and self.front is not None:
                 # Held connections are decided under the new policy where it says otherwise.
                 self.asks.reconsider(self.front.vetter.still_asked)
@@ -454,6 +434,22 @@ class Runtime:
                 f"{len(closed)} live connection(s) closed"
             )
             return True
+
+    async def _recompiled(self) -> Compiled:
+        """The files read and compiled again, for a running proxy: ReloadRefused otherwise."""
+        try:
+            compiled = await asyncio.to_thread(compile_inputs, self.inputs)
+        except Exception as exc:  # fail closed on the old policy, never crash the proxy
+            raise ReloadRefused.of(exc) from None
+        if self.front is None or self._stop.is_set():
+            raise ReloadRefused(NOT_RUNNING, "the proxy is starting or shutting down")
+        return compiled
+
+    def _refused(self, refused: ReloadRefused) -> None:
+        """The one report of a refused reload: counted, and one line on stderr with its reason
+        code and what refused it, where."""
+        self.metrics.reload(ok=False)
+        self.say(f"reload failed ({refused.reason}), keeping the previous policy: {refused}")
 
     def _planes(self) -> list[Plane]:
         planes: list[Plane | None] = [self.front, self.engine, self.dns]

@@ -13,7 +13,7 @@ at its default is unchanged. Each returns the ids of the live connections it clo
 the update no longer allows them (a DNS answer is over once sent: the DNS listeners close none).
 
 The update is checked whole before any plane sees it (a reload that cannot be applied is refused
-before), so no plane is left half-configured.
+before: proxy/app/reload.py), so no plane is left half-configured.
 """
 
 from __future__ import annotations
