@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from policy.addresses import Verdict
+from policy.dimensions import Stage
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +25,7 @@ class Decision:
     rule: str | None = None  # where the deciding rule is written, e.g. "network.egress[2]"
     ceiling: str | None = None  # the ceiling entry that admitted it, when a ceiling applies
     needs_inspection: bool = False  # paths decide: the connection must go through L7
-    stage: str = "name"
+    stage: Stage = Stage.NAME
     # Learning mode (`run --learn`, Policy.learn): refused for `reason`, let through; its audit
     # line says `would_deny`. Never set by `decide` itself.
     would_deny: bool = False
@@ -53,7 +54,7 @@ class AddressDecision:
     host: str
     verdicts: tuple[Verdict, ...]
     rule: str | None = None
-    stage: str = "address"
+    stage: Stage = Stage.ADDRESS
 
     @property
     def pinned(self) -> tuple[str, ...]:

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from policy.ceiling import Ceiling
+from policy.dimensions import Protocol, Verdict
 from policy.entries import check_entry
 from policy.findings import quote
 from policy.manifests import Format
@@ -51,16 +52,15 @@ from policy.trie import SubtreeIndex, suffixes
 __all__ = ["Collector", "Outside", "Suggested", "Suggestion", "Unsuggested", "entry_text"]
 
 # The decisions a line may carry; the first two are connections that went through.
-_PASSED = ("allow", "would_deny")
+_PASSED = (Verdict.ALLOW, Verdict.WOULD_DENY)
 # The refusals a manifest entry lifts (policy/asking.py ASKABLE), and the ones of a question
 # nobody answered: their hosts become entries.
 _LIFTED = frozenset(
     {Reason.NOT_ALLOWED, Reason.PATH_NOT_ALLOWED, Reason.ASK_TIMEOUT, Reason.ASK_OVERLOADED}
 )
-_DECISIONS = (*_PASSED, "deny")
+_DECISIONS = (*_PASSED, Verdict.DENY)
 # The audit log's time format (proxy/decide/events.py `timestamp`); compared as text.
 _TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?Z")
-_DNS = "dns"
 # Names folded into one registrable domain's entry only when there are at least this many.
 _GROUP_MIN = 2
 
@@ -207,10 +207,10 @@ class Collector:
             self.skipped += 1
             return
         time, host, port, decision, reason, protocol = read
-        if protocol == _DNS:
+        if protocol == Protocol.DNS:
             self.dns_lines += 1
             return
-        if decision == "deny" and (reason not in _LIFTED or host is None):
+        if decision == Verdict.DENY and (reason not in _LIFTED or host is None):
             self._unsuggest(host, decision, reason, time, port)
             return
         self.connections += 1
