@@ -19,6 +19,7 @@ from policy import (
     compile_policy,
     parse_address,
 )
+from policy.dimensions import Stage
 from policy.hostnames import normalize_host, parse_ip_literal
 from policy.manifests import FORMATS
 from policy.urls import parse_target
@@ -223,7 +224,7 @@ def explain_target(policy: Policy, target: str, resolved: dict[str, list[str]]) 
     checked = policy.check_addresses(decision.host, addresses).to_json()
     result.update(
         allowed=checked["allowed"],
-        stage="address",
+        stage=Stage.ADDRESS,
         # An accepted answer adds nothing to why the name was admitted (`platform_destination`
         # says more than `allowed`); a refused one is the reason.
         reason=checked["reason"] if not checked["allowed"] else decision.reason,

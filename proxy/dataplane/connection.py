@@ -15,14 +15,17 @@ import logging
 import os
 import socket
 import time
+import typing
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, cast
 
+from policy.dimensions import Plane, Protocol, Stage
 from policy.reasons import Reason
 from proxy.common.errors import ProxyError
 from proxy.common.refusals import Refused, refusal_response, refusal_ssh
 from proxy.decide.asks import CLIENT_GONE
-from proxy.decide.events import CloseEvent
+from proxy.decide.events import NO_DETAILS, CloseEvent, Details
 from proxy.decide.interception import Destination
 from proxy.decide.vetting import Peer, next_connection_id
 from proxy.net.bytecount import Counter
@@ -44,7 +47,7 @@ logger = logging.getLogger(__name__)
 MAX_PENDING = 64 << 10
 
 
-class Quiesces(Protocol):
+class Quiesces(typing.Protocol):
     """What the drain needs of a plane that owns a connection (proxy/dataplane/http.py)."""
 
     def quiesce(self) -> None: ...
@@ -54,7 +57,7 @@ class Connection(asyncio.Protocol):
     """A client connection while the front door still owns it. Subclasses implement `begin`
     (called once the transport is there) and `received` (bytes while nothing else owns them)."""
 
-    protocol = "http"  # the audit lines' `protocol` until the subclass knows better
+    protocol = Protocol.HTTP  # the audit lines' `protocol` until the subclass knows better
 
     def __init__(self, door: Door, listener: Listener) -> None:
         self.door = door
@@ -222,7 +225,7 @@ class Connection(asyncio.Protocol):
         refused = refused or Refused(
             408, Reason.HEADER_TIMEOUT, "no request head within the time limit"
         )
-        self.refuse(refused, None, None, stage="accept")
+        self.refuse(refused, None, None, stage=Stage.ACCEPT)
 
     # -- answers and ends ----------------------------------------------------------------------
 
@@ -232,19 +235,21 @@ class Connection(asyncio.Protocol):
         host: str | None,
         port: int | None,
         *,
-        stage: str,
+        stage: Stage | None = None,
         record: bool = True,
-        **context: Any,
+        details: Details = NO_DETAILS,
     ) -> None:
-        """A connection refused before any tunnel: its decision line (unless the vetting wrote
-        it already), its answer in the client's protocol (unless one went out), its close."""
+        """A connection refused before any tunnel: its decision line at `stage` (unless the
+        vetting wrote it already: `record` False, and no stage), its answer in the client's
+        protocol (unless one went out), its close."""
         if host is not None:
             self.host = host
         if port is not None:
             self.port = port
         if record:
+            assert stage is not None, "a refusal's line names its stage"
             self.door.vetter.refusal(
-                refused, self.peer, host, port, self.protocol, stage=stage, **context
+                refused, self.peer, host, port, self.protocol, stage=stage, details=details
             )
         if not self.answered and not self.gone:
             self.answered = True
@@ -257,7 +262,7 @@ class Connection(asyncio.Protocol):
         self.transport.write(refusal_response(refused, host or "proxy", port))
 
     def refuse_stream(
-        self, refused: Refused, kind: str, *, record: bool = True, **context: Any
+        self, refused: Refused, kind: str, *, record: bool = True, vetted: Vetted | None = None
     ) -> None:
         """A connection refused once its first bytes said what it is (`kind`, a FirstFlight),
         after any answer of the listener's own protocol: its decision line (unless written),
@@ -266,10 +271,10 @@ class Connection(asyncio.Protocol):
         (`answer_tls_refusal`), anything else a reset, so nothing is left hanging."""
         host, port = self.host, self.port
         if record:
-            context = {**self.attribution_context(), **context}
             self.door.vetter.refusal(
-                refused, self.peer, host, port, self.protocol, stage="stream", **context
-            )
+                refused, self.peer, host, port, self.protocol, stage=Stage.STREAM,
+                vetted=vetted, details=self.attribution_details(),
+            )  # fmt: skip
         self.reason = refused.reason
         self.cancel_timer()
         if self.gone:
@@ -287,11 +292,13 @@ class Connection(asyncio.Protocol):
         """What a refused TLS client reads after its ClientHello: nothing by default (a tunnel
         whose 200 or SOCKS5 reply went out is closed)."""
 
-    def attribution_context(self) -> dict[str, Any]:
-        """How the host was known, for a decision line."""
-        if self.attribution is None:
-            return {}
-        return {"attribution": self.attribution, "attributed": self.attributed}
+    def attribution_details(self, details: Details = NO_DETAILS) -> Details:
+        """`details` with how the host was known, for a decision line (made anew only when
+        they do not say so already)."""
+        how, names = self.attribution, self.attributed
+        if how is None or (details.attribution == how and details.attributed == names):
+            return details
+        return replace(details, attribution=how, attributed=names)
 
     def close(self) -> None:
         """Closes the client (what is buffered for it is written first); the close line follows
@@ -312,9 +319,9 @@ class Connection(asyncio.Protocol):
         try:
             if self.owned or self.handed:
                 vetter = self.door.vetter
-                vetter.refusal(refused, self.peer, None, None, self.protocol, stage="engine")
+                vetter.refusal(refused, self.peer, None, None, self.protocol, stage=Stage.ENGINE)
                 return
-            self.refuse(refused, None, None, stage="engine")
+            self.refuse(refused, None, None, stage=Stage.ENGINE)
         except Exception:
             # Even the refusal failed: the connection goes, unanswered.
             logger.exception("egress: refusing a failed connection failed too")
@@ -327,7 +334,7 @@ class Connection(asyncio.Protocol):
         is the engine's to count)."""
         if not self.counted and self.door.metrics is not None:
             self.counted = True
-            self.door.metrics.connection_opened("l4", self.protocol)
+            self.door.metrics.connection_opened(Plane.L4, self.protocol)
 
     def still_allowed(self) -> bool:
         """After a reload: whether what this connection was decided for is still allowed
@@ -366,14 +373,14 @@ class Connection(asyncio.Protocol):
         metrics = self.door.metrics
         if metrics is not None:
             self.count_open()
-            metrics.connection_closed("l4", counter.up, counter.down, duration)
+            metrics.connection_closed(Plane.L4, counter.up, counter.down, duration)
         audit = self.door.audit
         if audit is not None:
             audit.closed(
                 CloseEvent(
                     host=self.host,
                     port=self.port,
-                    plane="l4",
+                    plane=Plane.L4,
                     protocol=self.protocol,
                     client=self.peer.client,
                     connection=self.peer.connection,
@@ -452,7 +459,7 @@ class Door:
         live already: only the connections over the limit are refused, and those do not count."""
         if self.live >= self.config.limits.max_connections:
             refused = Refused(503, Reason.OVERLOAD, "too many connections", error=True)
-            connection.refuse(refused, None, None, stage="accept")
+            connection.refuse(refused, None, None, stage=Stage.ACCEPT)
             return False
         self.connections.add(connection)
         return True
@@ -478,7 +485,7 @@ class Door:
         except ProxyError as exc:
             # The engine could not be loaded (its CA, say): nothing can serve this connection.
             refused = Refused(403, exc.reason, exc.message)
-            connection.refuse(refused, connection.host, connection.port, stage="engine")
+            connection.refuse(refused, connection.host, connection.port, stage=Stage.ENGINE)
             return
         destination = Destination(
             host=connection.host,

@@ -8,13 +8,18 @@ the session's DNS answered for allowed names is decided on those names (`attribu
 
 from __future__ import annotations
 
+from policy.dimensions import Protocol, Stage
 from proxy.common.refusals import Refused, authority
 from proxy.dataplane import streams
 from proxy.dataplane.connection import Connection
 from proxy.dataplane.heads import ConnectHead, head_state, parse_connect
 from proxy.dataplane.http import HttpPlane
+from proxy.decide.events import Details
 
 ESTABLISHED = b"HTTP/1.1 200 Connection established\r\n\r\n"
+# What the lines of every CONNECT's decision say of it, one value for them all (as the tunnel
+# notes its attribution, it finds it said already).
+_CONNECT = Details(method="CONNECT", attribution="connect")
 
 
 class Explicit(Connection):
@@ -31,7 +36,7 @@ class Explicit(Connection):
             return
         head = parse_connect(self.buffer)
         if isinstance(head, Refused):
-            self.refuse(head, None, None, stage="request")
+            self.refuse(head, None, None, stage=Stage.REQUEST)
             return
         self.connect(head)
 
@@ -39,13 +44,13 @@ class Explicit(Connection):
         HttpPlane(self, transparent=False).start()
 
     def connect(self, head: ConnectHead) -> None:
-        self.protocol = "connect"
+        self.protocol = Protocol.CONNECT
         self.attribution = "connect"
         del self.buffer[: len(self.buffer) - len(head.rest)]
         target = authority(head.host, head.port)
         self.spawn(
             streams.open_tunnel(
-                self, target, head.host, head.port, what="CONNECT host", method="CONNECT"
+                self, target, head.host, head.port, what="CONNECT host", details=_CONNECT
             )
         )
 

@@ -24,10 +24,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final
 
 import httptools
 
+from policy.dimensions import Protocol, Stage
 from policy.reasons import Reason
 from proxy.common.refusals import Refused, refusal_response
 from proxy.dataplane.http_forward import serve
@@ -40,6 +41,7 @@ from proxy.dataplane.http_messages import (
 )
 from proxy.dataplane.http_requests import Request
 from proxy.dataplane.http_upstream import Exchange
+from proxy.decide.events import NO_DETAILS, Details
 from proxy.decide.http_checks import WEBSOCKET
 from proxy.net.relay import Relay
 
@@ -276,14 +278,14 @@ class HttpPlane(asyncio.Protocol):
         refused: Refused,
         host: str | None,
         port: int | None,
-        stage: str,
-        context: dict[str, Any],
+        stage: Stage,
+        details: Details,
     ) -> Refused:
         conn = self.conn
-        context = {**conn.attribution_context(), **context}
         conn.door.vetter.refusal(
-            refused, conn.peer, host, port, conn.protocol, stage=stage, **context
-        )
+            refused, conn.peer, host, port, conn.protocol, stage=stage,
+            details=conn.attribution_details(details),
+        )  # fmt: skip
         return refused
 
     # -- answers -------------------------------------------------------------------------------
@@ -319,11 +321,9 @@ class HttpPlane(asyncio.Protocol):
     def refuse_unparsed(self, refused: Refused) -> None:
         """A request the parser refused (or one too large): answered when no response is on its
         way, the connection closed either way."""
-        context: dict[str, Any] = {}
-        if self.url:
-            context["path"] = self.url.decode("latin-1")
+        details = Details(path=self.url.decode("latin-1") if self.url else None)
         self.refusal(
-            refused, None, self.conn.port if self.transparent else None, "request", context
+            refused, None, self.conn.port if self.transparent else None, Stage.REQUEST, details
         )
         if self._answerable():
             if self.exchange is not None:
@@ -346,14 +346,14 @@ class HttpPlane(asyncio.Protocol):
         )
 
     def failed_exchange(
-        self, request: Request, refused: Refused, *, stage: str, answered: bool
+        self, request: Request, refused: Refused, *, stage: Stage, answered: bool
     ) -> None:
         """An exchange ended in error (proxy/dataplane/http_upstream.py): its line; the 502
         when nothing of the response went out, else the client is cut off."""
         conn = self.conn
         host, port = conn.host, conn.port
-        context = {"method": request.head.method, "path": request.head.target}
-        self.refusal(refused, host, port, stage, context)
+        details = Details(method=request.head.method, path=request.head.target)
+        self.refusal(refused, host, port, stage, details)
         conn.reason = refused.reason
         if answered:
             self.transport.abort()
@@ -371,7 +371,7 @@ class HttpPlane(asyncio.Protocol):
     def switch(self, exchange: Exchange, rest: bytes) -> None:
         """The upstream switched to WebSocket: both transports go to a relay."""
         conn = self.conn
-        conn.protocol = "ws"
+        conn.protocol = Protocol.WS
         self._stop_timers()
         relay = Relay(
             self.loop, self.transport, exchange.transport, conn.counter,
@@ -405,7 +405,7 @@ class HttpPlane(asyncio.Protocol):
         refused = Refused(403, Reason.INTERNAL_ERROR, f"internal error: {type(exc).__name__}")
         conn = self.conn
         try:
-            self.refusal(refused, conn.host, conn.port, "engine", {})
+            self.refusal(refused, conn.host, conn.port, Stage.ENGINE, NO_DETAILS)
             if not self.conn.answered:
                 self.write(refusal_response(refused, conn.host or "proxy", conn.port))
             conn.reason = Reason.INTERNAL_ERROR

@@ -10,19 +10,22 @@ request without a body of a method that may be sent twice.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from dataclasses import replace
+from typing import TYPE_CHECKING, Final, Protocol
 
+from policy.dimensions import Stage
 from policy.reasons import Reason
 from proxy.common.refusals import Refused, authority, upstream_refusal
 from proxy.dataplane import tunnel
-from proxy.dataplane.http_messages import forwarded_fields, request_head
+from proxy.dataplane.http_messages import RequestHead, forwarded_fields, request_head
 from proxy.dataplane.http_requests import Rejected, Request, destination
 from proxy.dataplane.http_upstream import FAILED, REUSABLE, STALE, SWITCHED, Client, Exchange
+from proxy.decide.events import Details
 from proxy.decide.injection import counted, inject
 from proxy.net.dialing import UpstreamError, connect_upstream, dial_checked
 
 if TYPE_CHECKING:
-    from proxy.dataplane.connection import Door
+    from proxy.dataplane.connection import Connection, Door
 
 # Methods a stale pooled connection may be retried for (nothing of them was sent or read).
 _RETRIABLE: Final = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
@@ -41,8 +44,8 @@ class Plane(Client, Protocol):
         refused: Refused,
         host: str | None,
         port: int | None,
-        stage: str,
-        context: dict[str, Any],
+        stage: Stage,
+        details: Details,
     ) -> Refused: ...
 
     def answer_refusal(
@@ -54,19 +57,17 @@ async def serve(plane: Plane, request: Request) -> bool:
     """One request, decided and forwarded (or refused); False when the connection ends."""
     head = request.head
     conn = plane.conn
-    context: dict[str, Any] = {
-        "method": head.method,
-        "path": head.target,
-        **conn.attribution_context(),
-    }
     host: str | None = None
     port = conn.port if plane.transparent else None
     try:
         if request.refused is not None:
-            raise plane.refusal(request.refused, None, port, "request", context)
-        host, port, path = destination(request, port, context, plane.tunnel_hosts)
+            details = _details(conn, head, head.target)
+            raise plane.refusal(request.refused, None, port, Stage.REQUEST, details)
+        host, port, path = destination(request, port, plane.tunnel_hosts)
+        # From here on, the lines name the path as an origin reads it.
+        details = _details(conn, head, path)
         url = f"http://{authority(host, port)}{path}"
-        vetted = await tunnel.vet(conn, url, port, conn.door.vetter.decide(url), **context)
+        vetted = await tunnel.vet(conn, url, port, conn.door.vetter.decide(url), details=details)
         name = vetted.decision.host
         # Allowed: a credential of this host that may go over plain HTTP goes in, here where
         # the head is rebuilt for the one upstream it is sent to (a checked address of `name`).
@@ -81,19 +82,24 @@ async def serve(plane: Plane, request: Request) -> bool:
             upgrade=request.websocket,
         )
         for attempt in range(2):
-            exchange = await _connect(plane, request, name, port, context, fresh=attempt > 0)
+            exchange = await _connect(plane, request, name, port, details, fresh=attempt > 0)
             if attempt == 0:
+                # A credential put in is named on the request's one allow line alone.
+                credential = counted(conn.door.metrics, applied)
+                line = details if credential is None else replace(details, credential=credential)
                 conn.door.vetter.allowed(
-                    conn.peer, conn.protocol, stage="address", vetted=vetted, port=port,
-                    credential=counted(conn.door.metrics, applied), **context,
+                    conn.peer, conn.protocol, stage=Stage.ADDRESS, vetted=vetted, port=port,
+                    details=line,
                 )  # fmt: skip
             outcome = await _exchange(plane, exchange)
             if outcome != STALE:
                 break
     except Rejected as rejected:
+        path = rejected.path if rejected.path is not None else head.target
         refused = plane.refusal(
-            rejected.refused, rejected.host, rejected.port, rejected.stage, context
-        )
+            rejected.refused, rejected.host, rejected.port, rejected.stage,
+            _details(conn, head, path),
+        )  # fmt: skip
         return plane.answer_refusal(request, refused, rejected.host, rejected.port)
     except Refused as refused:
         return plane.answer_refusal(request, refused, host, port)
@@ -111,8 +117,15 @@ async def serve(plane: Plane, request: Request) -> bool:
     return not (request.websocket or plane.closing)
 
 
+def _details(conn: Connection, head: RequestHead, path: str) -> Details:
+    """What a request's lines say of it: its method and `path`, and how its host was known."""
+    return Details(
+        method=head.method, path=path, attribution=conn.attribution, attributed=conn.attributed
+    )
+
+
 async def _connect(
-    plane: Plane, request: Request, name: str, port: int, context: dict[str, Any], *, fresh: bool
+    plane: Plane, request: Request, name: str, port: int, details: Details, *, fresh: bool
 ) -> Exchange:
     """An idle pooled connection to a checked address (not for a body that cannot be sent
     twice), else a dial of the checked addresses; Refused (502/504) after its line."""
@@ -131,7 +144,7 @@ async def _connect(
         )  # fmt: skip
     except UpstreamError as exc:
         refused = upstream_refusal(exc.reason, exc.message)
-        raise plane.refusal(refused, name, port, "upstream", context) from None
+        raise plane.refusal(refused, name, port, Stage.UPSTREAM, details) from None
     address = transport.get_extra_info("peername")
     conn.upstream = authority(address[0], address[1])
     exchange = Exchange(plane, request, transport, reused=False)
@@ -143,8 +156,8 @@ async def _connect(
             Refused(502, Reason.UPSTREAM_ERROR, message, error=True),
             name,
             port,
-            "upstream",
-            context,
+            Stage.UPSTREAM,
+            details,
         )
     return exchange
 

@@ -3,13 +3,14 @@ request passes before its destination is decided (HTTP/1.0 or 1.1, not CONNECT, 
 the upgrade rule, exactly one Host naming the target). Pure: a failed check raises `Rejected`
 with the stage it failed at; the plane writes its line and answers.
 
-    host, port, path = destination(request, original_port, context)   # or raises Rejected
+    host, port, path = destination(request, original_port)   # or raises Rejected
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
+from policy.dimensions import Stage
 from policy.reasons import Reason
 from proxy.common.refusals import Refused, authority, shown
 from proxy.dataplane.http_messages import RequestHead, absolute_target, has_field
@@ -56,38 +57,47 @@ class Request:
 
 
 class Rejected(Exception):
-    """A request refused before its destination was decided, and the stage that refused it."""
+    """A request refused before its destination was decided, and the stage that refused it
+    (`path`: the path as an origin reads it, once that was known)."""
 
-    def __init__(self, refused: Refused, stage: str, host: str | None, port: int | None) -> None:
+    def __init__(
+        self,
+        refused: Refused,
+        stage: Stage,
+        host: str | None,
+        port: int | None,
+        path: str | None = None,
+    ) -> None:
         super().__init__(refused.message)
         self.refused = refused
         self.stage = stage
         self.host = host
         self.port = port
+        self.path = path
 
 
 def destination(
     request: Request,
     original_port: int | None,
-    context: dict[str, Any],
     tunnel_hosts: tuple[str, ...] | None = None,
 ) -> tuple[str, int, str]:
     """Host (as written), port and path (as sent) of a request: from its absolute-form target
     on an explicit listener (`original_port` None), from its Host field and the port the client
     dialled on a transparent one or inside a tunnel, whose host it must name (`tunnel_hosts`,
-    canonical). Sets `context["path"]` to the path as an origin reads it. Raises Rejected."""
+    canonical). The path is as an origin reads it. Raises Rejected (with that path, once
+    known)."""
     head = request.head
     port = original_port
     if head.version not in ("1.0", "1.1"):
         raise Rejected(
             Refused(400, Reason.INVALID_REQUEST, f"HTTP/{shown(head.version)}"),
-            "request",
+            Stage.REQUEST,
             None,
             port,
         )
     if head.method == "CONNECT":
         message = "CONNECT after another request on one connection"
-        raise Rejected(Refused(400, Reason.INVALID_REQUEST, message), "request", None, port)
+        raise Rejected(Refused(400, Reason.INVALID_REQUEST, message), Stage.REQUEST, None, port)
     hosts = head.values(b"host")
     if original_port is not None:
         named = parse_host_field(hosts[0], 80) if len(hosts) == 1 else None
@@ -97,7 +107,7 @@ def destination(
                 Reason.HOST_MISMATCH,
                 "a redirected request needs an origin-form target and one valid Host header",
             )
-            raise Rejected(refused, "host", None, port)
+            raise Rejected(refused, Stage.HOST, None, port)
         host, path = named[0], head.target
         port = original_port
         if tunnel_hosts is not None and canonical_host(host) not in tunnel_hosts:
@@ -106,20 +116,19 @@ def destination(
                 Reason.HOST_MISMATCH,
                 f"Host {shown(host)!r} is not the tunnel's host {tunnel_hosts[0]!r}",
             )
-            raise Rejected(refused, "host", host, port)
+            raise Rejected(refused, Stage.HOST, host, port)
     else:
         target = absolute_target(head.target)
         if isinstance(target, Refused):
-            raise Rejected(target, "request", None, None)
+            raise Rejected(target, Stage.REQUEST, None, None)
         host, port, path = target
-    context["path"] = path  # as an origin reads it, from here on
     upgrade = check_upgrade(head.values(b"upgrade"), has_field(head.fields, b"http2-settings"))
     if upgrade is None and head.values(b"upgrade") and not request.websocket:
         upgrade = Refused(403, Reason.UPGRADE_REFUSED, "an Upgrade without Connection: upgrade")
     if upgrade is not None:
-        raise Rejected(upgrade, "request", host, port)
+        raise Rejected(upgrade, Stage.REQUEST, host, port, path)
     where = authority(host, port)
     mismatch = check_host(hosts, host, port, default_port=80, where=where)
     if mismatch is not None:
-        raise Rejected(mismatch, "host", host, port)
+        raise Rejected(mismatch, Stage.HOST, host, port, path)
     return host, port, path

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Final, Protocol
 
 import httptools
 
+from policy.dimensions import Stage
 from policy.reasons import Reason
 from proxy.common.refusals import Refused, shown
 from proxy.dataplane.http_messages import (
@@ -55,7 +56,7 @@ class Client(Protocol):
     def switch(self, exchange: Exchange, rest: bytes) -> None: ...
 
     def failed_exchange(
-        self, request: Request, refused: Refused, *, stage: str, answered: bool
+        self, request: Request, refused: Refused, *, stage: Stage, answered: bool
     ) -> None: ...
 
 
@@ -296,10 +297,10 @@ class Exchange(asyncio.Protocol):
                 Reason.UPGRADE_REFUSED,
                 f"the upstream switched protocols to {shown(asked)!r} unasked",
             ),
-            stage="request",
+            stage=Stage.REQUEST,
         )
 
-    def _fail(self, refused: Refused, stage: str = "upstream") -> None:
+    def _fail(self, refused: Refused, stage: Stage = Stage.UPSTREAM) -> None:
         """The exchange cannot go on: its refusal line; the client's answer when nothing of the
         response went out yet, else the client is cut off (a truncated body must not look
         whole)."""

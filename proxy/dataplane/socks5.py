@@ -40,11 +40,13 @@ from dataclasses import dataclass
 from typing import Final
 
 from policy import PolicyError
+from policy.dimensions import Protocol, Stage
 from policy.hostnames import normalize_host
 from policy.reasons import Reason
 from proxy.common.refusals import Refused, authority, shown
 from proxy.dataplane import streams
 from proxy.dataplane.connection import Connection
+from proxy.decide.events import Details
 
 VERSION: Final = 5
 NO_AUTHENTICATION: Final = 0x00
@@ -239,7 +241,7 @@ def name_is_address(host: str) -> Refused | None:
 
 
 class Socks5(Connection):
-    protocol = "socks5"
+    protocol = Protocol.SOCKS5
 
     greeted = False  # 05 00 went out: a refusal is now a reply
 
@@ -260,7 +262,7 @@ class Socks5(Connection):
             if greeting is None:
                 return
             if isinstance(greeting, Refused):
-                self.refuse(greeting, None, None, stage="request")
+                self.refuse(greeting, None, None, stage=Stage.REQUEST)
                 return
             del buffer[:greeting]
             self.greeted = True
@@ -270,27 +272,31 @@ class Socks5(Connection):
             return
         self.cancel_timer()
         if isinstance(request, Refused):
-            self.refuse(request, None, None, stage="request")
+            self.refuse(request, None, None, stage=Stage.REQUEST)
             return
         del buffer[: request.size]
         if buffer:
-            self.refuse(_early_bytes(buffer), request.host, request.port, stage="request")
+            self.refuse(_early_bytes(buffer), request.host, request.port, stage=Stage.REQUEST)
             return
         refused = name_is_address(request.host) if request.is_name else None
         if refused is not None:
-            self.refuse(refused, request.host, request.port, stage="name")
+            self.refuse(refused, request.host, request.port, stage=Stage.NAME)
             return
         self.connect(request.host, request.port)
 
     def connect(self, host: str, port: int) -> None:
         self.attribution = "socks5"
-        self.spawn(streams.open_tunnel(self, authority(host, port), host, port, what=_WHAT))
+        self.spawn(
+            streams.open_tunnel(
+                self, authority(host, port), host, port, what=_WHAT, details=_SOCKS5
+            )
+        )
 
     def answer_success(self, bound: tuple[str, int] | None) -> bool:
         """The success reply (0.0.0.0:0 when the engine dials later), unless the client sent
         bytes before it (then refused)."""
         if self.buffer:
-            self.refuse(_early_bytes(self.buffer), self.host, self.port, stage="request")
+            self.refuse(_early_bytes(self.buffer), self.host, self.port, stage=Stage.REQUEST)
             return False
         self.answered = True
         self.transport.write(reply(SUCCEEDED, bound))
@@ -298,6 +304,9 @@ class Socks5(Connection):
 
 
 _WHAT = "SOCKS5 host"
+# What the lines of every SOCKS5 tunnel's decision say of it (as the tunnel notes its
+# attribution, it finds it said already).
+_SOCKS5 = Details(attribution="socks5")
 
 
 def _early_bytes(data: bytes | bytearray) -> Refused:

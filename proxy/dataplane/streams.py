@@ -19,8 +19,11 @@ SSH client reads our identification string and disconnect, not the server's).
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Protocol, cast
+import dataclasses
+import typing
+from typing import TYPE_CHECKING, cast
 
+from policy.dimensions import Protocol, Stage
 from policy.hostnames import parse_ip_literal
 from policy.learning import LEARNABLE as LIFTED_BY_ENTRY
 from policy.reasons import Reason
@@ -28,6 +31,7 @@ from proxy.common.refusals import Refused, authority
 from proxy.dataplane import tunnel
 from proxy.dataplane.http import HttpPlane
 from proxy.dataplane.tunnel import Dialled, dial_vetted, gate, relay
+from proxy.decide.events import NO_DETAILS, Details
 from proxy.decide.first_flight import FirstFlight, classify
 from proxy.decide.interception import intercepted
 
@@ -118,8 +122,8 @@ async def carry(
             drop(dialled)
             if kind is not None:
                 connection.door.vetter.refusal(
-                    kind, connection.peer, name, port, connection.protocol, stage="stream",
-                    vetted=vetted, **connection.attribution_context(),
+                    kind, connection.peer, name, port, connection.protocol, stage=Stage.STREAM,
+                    vetted=vetted, details=connection.attribution_details(),
                 )  # fmt: skip
                 connection.reason = kind.reason
             connection.close()
@@ -142,7 +146,7 @@ async def carry(
             return
         if kind == FirstFlight.HTTP:
             drop(dialled)
-            connection.protocol = "http"
+            connection.protocol = Protocol.HTTP
             hosts = connection.attributed or (name,)
             HttpPlane(connection, transparent=True, tunnel_hosts=hosts).start()
             return
@@ -160,7 +164,7 @@ async def opaque(
     then relayed to `dialled` (or a dial of the checked addresses now), or refused in the
     stream's own terms."""
     name = vetted.decision.host
-    connection.protocol = kind.value  # a plain str, as every other protocol is
+    connection.protocol = Protocol(kind)  # the stream's kind names its protocol
     connection.target = f"{kind}://{authority(name, port)}"  # what a reload decides again
     decision = tunnel_stream(connection, kind, vetted, port)
     if not decision.allowed:
@@ -172,15 +176,17 @@ async def opaque(
             decision.message,
             remedy=policy.remedy(decision, connection.target),
         )
-        connection.refuse_stream(refused, kind, vetted=vetted, rule=decision.rule)
+        # The line names the stream's own rule, with the tunnel's ceiling and addresses.
+        named = dataclasses.replace(vetted.decision, rule=decision.rule)
+        connection.refuse_stream(refused, kind, vetted=dataclasses.replace(vetted, decision=named))
         return
     if dialled is None:
         dialled = await _late_dial(connection, vetted, port, kind)
         if dialled is None:
             return
     connection.door.vetter.allowed(
-        connection.peer, kind.value, stage="stream", vetted=vetted, port=port,
-        **connection.attribution_context(),
+        connection.peer, connection.protocol, stage=Stage.STREAM, vetted=vetted, port=port,
+        details=connection.attribution_details(),
     )  # fmt: skip
     relay(connection, dialled)
 
@@ -208,7 +214,7 @@ def drop(dialled: Dialled | None) -> None:
 # -- a tunnel from its request to its stream, for the listeners that answer one (CONNECT, SOCKS5)
 
 
-class Answers(Protocol):
+class Answers(typing.Protocol):
     """What a listener that answers a tunnel request gives `open_tunnel`."""
 
     def answer_success(self, bound: tuple[str, int] | None) -> bool:
@@ -224,7 +230,7 @@ async def open_tunnel(
     port: int,
     *,
     what: str,
-    **context: Any,
+    details: Details = NO_DETAILS,
 ) -> None:
     """A tunnel request for `target`: the name stage (and, when the host is no name but an
     address the session's DNS answered for allowed names, those names), DNS once, the address
@@ -236,19 +242,21 @@ async def open_tunnel(
     names = tunnel.attributed_names(connection, str(address)) if address is not None else ()
     try:
         if names:
-            vetted = await tunnel.vet_by_address(connection, names, str(address), port, **context)
+            vetted = await tunnel.vet_by_address(
+                connection, names, str(address), port, details=details
+            )
             inspecting = intercepted(vetted.decision, door.config)
         else:
             decision = door.vetter.decide(target)
             inspecting = intercepted(decision, door.config)
             vetted = await tunnel.vet(
-                connection, target, port, decision, inspecting=inspecting, **context
+                connection, target, port, decision, inspecting=inspecting, details=details
             )
         dialled = None
         if not inspecting:
-            dialled = await tunnel.dial_vetted(connection, vetted, port, **context)
+            dialled = await tunnel.dial_vetted(connection, vetted, port, details)
     except Refused as refused:
-        connection.refuse(refused, host, port, stage="", record=False)
+        connection.refuse(refused, host, port, record=False)
         return
     try:
         bound = dialled.transport.get_extra_info("sockname") if dialled is not None else None

@@ -26,11 +26,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from policy.dimensions import Protocol, Stage
 from policy.reasons import Reason
 from proxy.common.refusals import Refused, authority, refusal_alert
 from proxy.dataplane import streams, tunnel
 from proxy.dataplane.connection import Connection
 from proxy.dataplane.http import HttpPlane
+from proxy.decide.events import Details
 from proxy.decide.first_flight import FirstFlight, is_opaque
 from proxy.decide.interception import intercepted
 from proxy.decide.sni_gate import read_hello
@@ -42,7 +44,7 @@ if TYPE_CHECKING:
 
 
 class Transparent(Connection):
-    protocol = "tls"
+    protocol = Protocol.TLS
 
     original: str | None = None  # the address the client connected to
     # The refusal of an attributed opaque stream, found before the client spoke.
@@ -61,7 +63,7 @@ class Transparent(Connection):
                 Reason.NO_ORIGINAL_DESTINATION,
                 f"no original destination (not a redirected connection?): {exc.strerror or exc}",
             )
-            self.refuse(refused, None, None, stage="accept")
+            self.refuse(refused, None, None, stage=Stage.ACCEPT)
             return
         self.original, self.port = original
         self.spawn(self._serve())
@@ -87,13 +89,13 @@ class Transparent(Connection):
             if kind is None:
                 self.close()
             else:
-                self.refuse(kind, None, None, stage="accept")
+                self.refuse(kind, None, None, stage=Stage.ACCEPT)
             return
         if kind == FirstFlight.HTTP and self.counter.down:
             kind = FirstFlight.TCP  # the server spoke first: no HTTP exchange begins like that
         if not is_opaque(kind):
             self.attribution = self.attributed = None
-            self.protocol = "tls"
+            self.protocol = Protocol.TLS
             if kind == FirstFlight.HTTP:
                 streams.drop(dialled)
                 self.plain_http()
@@ -112,7 +114,7 @@ class Transparent(Connection):
                 break
         else:
             return None
-        self.protocol = FirstFlight.TCP.value
+        self.protocol = Protocol.TCP
         try:
             vetted = await tunnel.vet_by_address(self, names, address, port, scheme=FirstFlight.TCP)
             dialled = await tunnel.dial_vetted(self, vetted, port)
@@ -125,14 +127,14 @@ class Transparent(Connection):
         return dialled
 
     def plain_http(self) -> None:
-        self.protocol = "http"
+        self.protocol = Protocol.HTTP
         HttpPlane(self, transparent=True).start()
 
     async def _opaque(self, kind: FirstFlight, dialled: tunnel.Dialled | None) -> None:
         """A stream that names no host: attributed to the names the session's DNS answered its
         address for, decided on them (`kind` on this port), relayed to that address."""
         assert self.original is not None and self.port is not None
-        self.protocol = kind.value
+        self.protocol = Protocol(kind)
         if self.early_refusal is not None:
             self.refuse_stream(self.early_refusal, kind, record=False)
             return
@@ -168,8 +170,8 @@ class Transparent(Connection):
         if outcome.refused is not None:
             # `host`: the SNI's, when the hello named one (an ECH refusal); else None.
             self.refuse(
-                outcome.refused, outcome.host, self.port, stage="sni", sni=outcome.sni,
-                ech=self.ech,
+                outcome.refused, outcome.host, self.port, stage=Stage.SNI,
+                details=Details(sni=outcome.sni, ech=self.ech),
             )  # fmt: skip
             return
         self.sni = outcome.sni
@@ -196,31 +198,32 @@ class Transparent(Connection):
             return None
         if outcome.refused is not None and outcome.refused.reason == Reason.HEADER_TIMEOUT:
             # No hello in time is refused at accept, as a silent client is: nothing was read.
-            self.refuse(outcome.refused, None, None, stage="accept")
+            self.refuse(outcome.refused, None, None, stage=Stage.ACCEPT)
             return None
         return outcome
 
     async def _intercept(self, target: str, port: int, decision: Decision) -> None:
         """The hello is read and gated (its SNI named the host): vetted here, then the
         engine's, which dials the checked addresses when the first request inside needs them."""
+        details = self._hello_details()
         try:
             vetted = await tunnel.vet(
-                self, target, port, decision, inspecting=True, sni=self.sni, ech=self.ech
+                self, target, port, decision, inspecting=True, details=details
             )
         except Refused as refused:
-            self.refuse(refused, None, port, stage="", record=False)
+            self.refuse(refused, None, port, record=False)
             return
         self.door.vetter.allowed(
-            self.peer, self.protocol, stage="sni", vetted=vetted, port=port, sni=self.sni,
-            ech=self.ech, **self.attribution_context(),
-        )  # fmt: skip
+            self.peer, self.protocol, stage=Stage.SNI, vetted=vetted, port=port, details=details
+        )
         await self.door.intercept(self)
 
     async def _tunnel(
         self, target: str, port: int, decision: Decision, early: tunnel.Dialled | None
     ) -> None:
+        details = self._hello_details()
         try:
-            vetted = await tunnel.vet(self, target, port, decision, sni=self.sni, ech=self.ech)
+            vetted = await tunnel.vet(self, target, port, decision, details=details)
             if early is not None and early.address in vetted.pinned and not early.upstream.lost:
                 # The connection dialled before the client spoke goes to a checked address of
                 # the SNI's host: it is that dial, not a second one.
@@ -229,16 +232,23 @@ class Transparent(Connection):
                 early = None
             else:
                 streams.drop(early)
-                dialled = await tunnel.dial_vetted(self, vetted, port, sni=self.sni, ech=self.ech)
+                dialled = await tunnel.dial_vetted(self, vetted, port, details)
         except Refused as refused:
             streams.drop(early)
-            self.refuse(refused, None, port, stage="", record=False)
+            self.refuse(refused, None, port, record=False)
             return
         except BaseException:
             streams.drop(early)
             raise
         self.door.vetter.allowed(
-            self.peer, self.protocol, stage="sni", vetted=dialled.vetted, port=port, sni=self.sni,
-            ech=self.ech, **self.attribution_context(),
+            self.peer, self.protocol, stage=Stage.SNI, vetted=dialled.vetted, port=port,
+            details=details,
         )  # fmt: skip
         tunnel.relay(self, dialled)
+
+    def _hello_details(self) -> Details:
+        """What every line of a decision on the gated ClientHello says of it (its SNI, ECH,
+        and how the host was known), one value for them all."""
+        return Details(
+            sni=self.sni, ech=self.ech, attribution=self.attribution, attributed=self.attributed
+        )

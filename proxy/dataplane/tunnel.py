@@ -18,11 +18,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from policy.dimensions import Stage
 from policy.reasons import Reason
 from proxy.common.refusals import Refused, authority, upstream_refusal
 from proxy.decide.attribution import canonical_address
+from proxy.decide.events import NO_DETAILS, Details
 from proxy.decide.first_flight import FirstFlight
 from proxy.decide.sni_gate import GateOutcome, check_hello
 from proxy.net.dialing import Upstream, UpstreamError, connect_upstream, dial_checked
@@ -47,12 +49,6 @@ class Dialled:
         return self.vetted.decision.host
 
 
-def _with_attribution(connection: Connection, context: dict[str, Any]) -> dict[str, Any]:
-    if connection.attribution is not None:
-        return {**connection.attribution_context(), **context}
-    return context
-
-
 async def vet(
     connection: Connection,
     target: str,
@@ -60,7 +56,7 @@ async def vet(
     decision: Decision,
     *,
     inspecting: bool = False,
-    **context: Any,
+    details: Details = NO_DETAILS,
 ) -> Vetted:
     """DNS once, address stage and loop guard for a name stage already taken (`decision`):
     returns what vetting found (also kept in `connection.vetted`, the checked addresses in
@@ -71,7 +67,6 @@ async def vet(
     vetter = door.vetter
     peer, protocol = connection.peer, connection.protocol
     connection.target = target
-    context = _with_attribution(connection, context)
     vetted = await vetter.vet(
         target,
         port,
@@ -80,7 +75,7 @@ async def vet(
         inspecting=inspecting,
         decision=decision,
         final=False,
-        **context,
+        details=connection.attribution_details(details),
     )
     _vetted(connection, vetted, port)
     return vetted
@@ -93,7 +88,7 @@ async def vet_by_address(
     port: int,
     *,
     scheme: str | None = None,
-    **context: Any,
+    details: Details = NO_DETAILS,
 ) -> Vetted:
     """A tunnel to an address the session's DNS answered for `names` (`attributed_names`: a
     SOCKS5 request of type 1 or 4, a CONNECT to an address, a redirected stream): the names
@@ -101,10 +96,10 @@ async def vet_by_address(
     alone, and the loop guard. Raises Refused after its line. `scheme`: the names are decided
     for a stream of that kind (`ssh`, `tcp`)."""
     door = connection.door
-    context = _with_attribution(connection, context)
     vetted = await door.vetter.vet_attributed(
-        names, address, port, connection.peer, connection.protocol, scheme=scheme, **context
-    )
+        names, address, port, connection.peer, connection.protocol, scheme=scheme,
+        details=connection.attribution_details(details),
+    )  # fmt: skip
     where = authority(vetted.decision.host, port)
     connection.target = f"{scheme}://{where}" if scheme else where
     _vetted(connection, vetted, port)
@@ -142,15 +137,17 @@ async def dial(
     target: str,
     port: int,
     decision: Decision,
-    **context: Any,
+    details: Details = NO_DETAILS,
 ) -> Dialled:
     """`vet`, then the dial of the checked addresses. Raises Refused after its audit line is
     written."""
-    vetted = await vet(connection, target, port, decision, **context)
-    return await dial_vetted(connection, vetted, port, **context)
+    vetted = await vet(connection, target, port, decision, details=details)
+    return await dial_vetted(connection, vetted, port, details)
 
 
-async def dial_vetted(connection: Connection, vetted: Vetted, port: int, **context: Any) -> Dialled:
+async def dial_vetted(
+    connection: Connection, vetted: Vetted, port: int, details: Details = NO_DETAILS
+) -> Dialled:
     """The dial of a vetted destination's checked addresses. Raises Refused after its line."""
     door = connection.door
     name = vetted.decision.host
@@ -166,8 +163,8 @@ async def dial_vetted(connection: Connection, vetted: Vetted, port: int, **conte
     except UpstreamError as exc:
         refused = upstream_refusal(exc.reason, exc.message)
         door.vetter.refusal(
-            refused, connection.peer, name, port, connection.protocol, stage="upstream",
-            vetted=vetted, **_with_attribution(connection, context),
+            refused, connection.peer, name, port, connection.protocol, stage=Stage.UPSTREAM,
+            vetted=vetted, details=connection.attribution_details(details),
         )  # fmt: skip
         raise refused from None
     address = transport.get_extra_info("peername")
@@ -187,17 +184,23 @@ async def gate(connection: Connection, name: str, port: int, vetted: Vetted, *, 
     if refused is not None and refused.reason == Reason.SNI_MISMATCH:
         refused = _another_attributed(connection, outcome, port)
     vetter = connection.door.vetter
+    # One value for the gate's one line, whichever it is.
+    details = Details(
+        sni=connection.sni,
+        ech=outcome.ech,
+        attribution=connection.attribution,
+        attributed=connection.attributed,
+    )
     if refused is not None:
         vetter.refusal(
-            refused, connection.peer, name, port, connection.protocol, stage="sni",
-            sni=connection.sni, ech=outcome.ech, vetted=vetted,
-            **connection.attribution_context(),
+            refused, connection.peer, name, port, connection.protocol, stage=Stage.SNI,
+            vetted=vetted, details=details,
         )  # fmt: skip
         connection.refuse_stream(refused, FirstFlight.TLS, record=False)
         return False
     vetter.allowed(
-        connection.peer, connection.protocol, stage="sni", ech=outcome.ech, vetted=vetted,
-        port=port, sni=connection.sni, **connection.attribution_context(),
+        connection.peer, connection.protocol, stage=Stage.SNI, vetted=vetted, port=port,
+        details=details,
     )  # fmt: skip
     return True
 

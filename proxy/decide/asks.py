@@ -25,18 +25,20 @@ import asyncio
 import json
 import secrets
 import time
+import typing
 from collections import OrderedDict
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from policy.asking import ANSWERS, SESSION_ANSWERS, Question, SessionGrants
+from policy.dimensions import Plane, Protocol
 from proxy.common.refusals import authority
 from proxy.decide.events import MAX_FIELD, MAX_PATH, timestamp
 
 
-class Peer(Protocol):
+class Peer(typing.Protocol):
     """The client connection that asks (proxy/decide/vetting.py Peer), as audit lines name it."""
 
     @property
@@ -85,8 +87,8 @@ class Pending:
     target: str  # what the first connection asked for: re-decided by a reload
     entry: str
     reason: str
-    protocol: str
-    plane: str
+    protocol: Protocol
+    plane: Plane
     since: str
     future: asyncio.Future[str]
     held: int = 0
@@ -116,8 +118,8 @@ class AskEvent:
     question: Question
     entry: str | None = None
     reason: str | None = None
-    protocol: str | None = None
-    plane: str | None = None
+    protocol: Protocol | None = None
+    plane: Plane | None = None
     held: int | None = None
     decision: str | None = None  # the answer
     grant: str | None = None  # the grant's rule, e.g. "session.grants[0]"
@@ -213,8 +215,8 @@ class Asks:
         target: str,
         entry: str,
         reason: str,
-        protocol: str,
-        plane: str,
+        protocol: Protocol,
+        plane: Plane,
         peer: Peer,
     ) -> tuple[str, str | None]:
         """Wait for the answer to `question`: (outcome, ask id). The outcome is a person's
@@ -249,8 +251,8 @@ class Asks:
         target: str,
         entry: str,
         reason: str,
-        protocol: str,
-        plane: str,
+        protocol: Protocol,
+        plane: Plane,
         peer: Peer,
     ) -> Pending:
         loop = asyncio.get_running_loop()

@@ -10,22 +10,28 @@ the fields that were cut to their cap.
 ECH or draft ESNI (the SNI may not be the name served); like `truncated`, it is left out
 otherwise, so the lines of the common case stay as they were. So is `"credential": "NAME"`,
 after `message`, on the allow line of a request an operator credential was put into.
+
+What a plane knows of a decision beyond the policy's answer (the request's method and path, the
+SNI, how the host was known, ...) travels to the line as one typed value, `Details`.
 """
 
 from __future__ import annotations
 
 import math
+import typing
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from json.encoder import encode_basestring_ascii
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
+from policy.decisions import Decision
+from policy.dimensions import Plane, Protocol, Stage, Verdict
 from proxy.common.bounded import Bounded
 from proxy.common.refusals import authority
 
 if TYPE_CHECKING:
-    from policy.decisions import AddressDecision, Decision
+    from policy.decisions import AddressDecision
 
 MAX_FIELD = 512
 MAX_PATH = 2048
@@ -213,16 +219,42 @@ def _attribution(event: DecisionEvent | CloseEvent, f: _Fields) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class Details:
+    """What a plane knows of a decision beyond the policy's answer, for its line: the request
+    decided (its HTTP method, or a DNS query's type, and its path), the ClientHello's server
+    name and whether it carried ECH, the operator credentials put into the request, how the
+    host was known, and the rule and ceiling entry the line names where no decision handed
+    along names them (the DNS responder's, the vetting's before any address was checked).
+
+    Built once by the caller and shared by every line of its decision (`NO_DETAILS` when there
+    is nothing to add): frozen, so one value can serve many lines; `dataclasses.replace` only
+    where a step adds to it."""
+
+    method: str | None = None
+    path: str | None = None
+    sni: str | None = None
+    ech: bool = False  # the ClientHello carried ECH or ESNI: the SNI may not be the name served
+    credential: str | None = None  # the operator credential(s) put into the request, by name
+    attribution: str | None = None  # how the host was known (ATTRIBUTIONS)
+    attributed: tuple[str, ...] | None = None  # every name DNS answered its address for
+    rule: str | None = None  # None: the rule of the decision the line is for, if any
+    ceiling: str | None = None  # likewise, the ceiling entry
+
+
+NO_DETAILS = Details()
+
+
+@dataclass(frozen=True, slots=True)
 class DecisionEvent:
     """One decision, at any stage (name, address, sni, host header, ...), on either plane."""
 
-    decision: str  # "allow" or "deny"
+    decision: Verdict
     reason: str
     host: str | None = None  # as requested by the client (before normalisation)
     port: int | None = None
-    stage: str | None = None
-    plane: str | None = None  # "l4" or "l7"
-    protocol: str | None = None  # "connect", "http", "socks5", ...
+    stage: Stage | None = None
+    plane: Plane | None = None
+    protocol: Protocol | None = None
     client: Client = None
     connection: str | None = None  # correlates the decision lines of a connection and its close
     sni: str | None = None
@@ -243,28 +275,96 @@ class DecisionEvent:
     attributed: tuple[str, ...] | None = None
 
     @classmethod
-    def from_policy(cls, result: Decision | AddressDecision, **context: Any) -> DecisionEvent:
-        """A policy-core answer plus the connection context (client, plane, sni, ...).
-        For an address decision, `resolved` is every checked address and `pinned` the ones the
-        proxy may connect to."""
-        verdicts = getattr(result, "verdicts", None)
-        if verdicts is not None:
-            context.setdefault("resolved", tuple(v.address for v in verdicts))
-            context.setdefault("pinned", result.pinned)  # type: ignore[union-attr]
-        ceiling = getattr(result, "ceiling", None)
-        if ceiling is not None:
-            context.setdefault("ceiling", ceiling)
-        port = getattr(result, "port", None)
-        if port is not None:
-            context.setdefault("port", port)
-        context.setdefault("host", result.host)
-        context.setdefault("rule", result.rule)
-        return cls(
-            "allow" if result.allowed else "deny",
+    def from_policy(
+        cls,
+        result: Decision | AddressDecision,
+        *,
+        plane: Plane | None = None,
+        protocol: Protocol | None = None,
+        client: Client = None,
+        connection: str | None = None,
+        details: Details = NO_DETAILS,
+        named: Decision | None = None,
+        port: int | None = None,
+    ) -> DecisionEvent:
+        """A policy-core answer plus what the plane knows of it (`details`). For a name-stage
+        decision, its host, port, rule and ceiling. For an address decision, `resolved` is
+        every checked address and `pinned` the ones the proxy may connect to, on `port`; its
+        rule and ceiling are those of `named`, the name-stage decision it checked an answer
+        for (even where that has none: the line is the name's, refused at its addresses)."""
+        if isinstance(result, Decision):
+            resolved = pinned = None
+            rule, ceiling = result.rule, result.ceiling
+            if port is None:
+                port = result.port
+        else:
+            resolved = tuple(v.address for v in result.verdicts)
+            pinned = result.pinned
+            rule, ceiling = (
+                (named.rule, named.ceiling) if named is not None else (result.rule, None)
+            )
+        return cls.of(
+            Verdict.ALLOW if result.allowed else Verdict.DENY,
             result.reason,
+            details,
             stage=result.stage,
+            plane=plane,
+            protocol=protocol,
+            client=client,
+            connection=connection,
+            host=result.host,
+            port=port,
+            rule=rule,
+            ceiling=ceiling,
+            resolved=resolved,
+            pinned=pinned,
             message=result.message,
-            **context,
+        )
+
+    @classmethod
+    def of(
+        cls,
+        verdict: Verdict,
+        reason: str,
+        details: Details,
+        *,
+        stage: Stage | None,
+        plane: Plane | None,
+        protocol: Protocol | None,
+        client: Client,
+        connection: str | None,
+        host: str | None = None,
+        port: int | None = None,
+        rule: str | None = None,
+        ceiling: str | None = None,
+        resolved: tuple[str, ...] | None = None,
+        pinned: tuple[str, ...] | None = None,
+        message: str | None = None,
+    ) -> DecisionEvent:
+        """A decision's line: what the deciding step found, and what the plane knows of it
+        (`details`, whose rule and ceiling, where set, are the line's)."""
+        return cls(
+            verdict,
+            reason,
+            host=host,
+            port=port,
+            stage=stage,
+            plane=plane,
+            protocol=protocol,
+            client=client,
+            connection=connection,
+            sni=details.sni,
+            ech=details.ech,
+            method=details.method,
+            path=details.path,
+            rule=details.rule if details.rule is not None else rule,
+            ceiling=details.ceiling if details.ceiling is not None else ceiling,
+            resolved=resolved,
+            pinned=pinned,
+            message=message,
+            credential=details.credential,
+            attribution=details.attribution,
+            attributed=details.attributed,
         )
 
     def line(self, *, session: str | None, now: float) -> str:
@@ -295,8 +395,8 @@ class CloseEvent:
 
     host: str | None = None
     port: int | None = None
-    plane: str | None = None
-    protocol: str | None = None
+    plane: Plane | None = None
+    protocol: Protocol | None = None
     client: Client = None
     connection: str | None = None
     sni: str | None = None
@@ -328,7 +428,7 @@ class CloseEvent:
         )
 
 
-class AuditSink(Protocol):
+class AuditSink(typing.Protocol):
     """Where the planes' events go (proxy.ops.audit.AuditLog)."""
 
     def decision(self, event: DecisionEvent, /) -> None: ...
@@ -336,25 +436,27 @@ class AuditSink(Protocol):
     def closed(self, event: CloseEvent, /) -> None: ...
 
 
-class MetricsSink(Protocol):
+class MetricsSink(typing.Protocol):
     """The counters the planes move (proxy.ops.metrics.Metrics). Never raises."""
 
-    def decision(self, decision: str | bool, reason: str, stage: str, plane: str = ...) -> None: ...
+    def decision(
+        self, decision: Verdict | bool, reason: str, stage: Stage, plane: Plane = ...
+    ) -> None: ...
 
-    def record(self, decision: Decision | AddressDecision, plane: str = ...) -> None: ...
+    def record(self, decision: Decision | AddressDecision, plane: Plane = ...) -> None: ...
 
     def dns_lookup(self, seconds: float, outcome: str) -> None: ...
 
     def upstream_connect(self, seconds: float, outcome: str) -> None: ...
 
-    def connection_opened(self, plane: str, protocol: str = ...) -> None: ...
+    def connection_opened(self, plane: Plane, protocol: Protocol) -> None: ...
 
     def connection_closed(
-        self, plane: str, bytes_up: int, bytes_down: int, seconds: float
+        self, plane: Plane, bytes_up: int, bytes_down: int, seconds: float
     ) -> None: ...
 
     def dns_query(self, qtype: str, rcode: str) -> None: ...
 
-    def tls_ech(self, decision: str, protocol: str) -> None: ...
+    def tls_ech(self, decision: Verdict, protocol: Protocol | None) -> None: ...
 
     def credential_injected(self, name: str) -> None: ...

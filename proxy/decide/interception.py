@@ -11,9 +11,11 @@ No mitmproxy here: the front door imports this, and a passthrough session never 
 from __future__ import annotations
 
 import socket
+import typing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
+from policy.dimensions import Protocol
 from proxy.common.settings import ALL
 
 if TYPE_CHECKING:
@@ -32,11 +34,11 @@ class Destination:
     target: str  # what the name stage decided on (the authority), for reloads
     pinned: tuple[str, ...]  # the checked addresses of `host`, in answer order
     peer: Peer  # the client and the front door's connection id
-    protocol: str  # how it arrived: "connect", "socks5" or "tls" (a transparent listener)
+    protocol: Protocol  # how it arrived: `connect`, `socks5` or `tls` (a transparent listener)
     ech: bool = False  # its ClientHello carried ECH or ESNI: its close line says so
 
 
-class Interceptor(Protocol):
+class Interceptor(typing.Protocol):
     """What the front door needs of the interception engine."""
 
     async def intercept(self, sock: socket.socket, hello: bytes, destination: Destination) -> None:

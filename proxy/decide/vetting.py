@@ -1,28 +1,33 @@
 """The decision of one destination, shared by both planes so that they cannot drift apart:
 name stage, DNS once, address stage, and the metrics and audit line of each step.
 
-    vetter = Vetter(policy, resolver, metrics, audit, plane="l4")
-    vetted = await vetter.vet("pypi.org:443", 443, peer, "connect", inspecting=False)
+    vetter = Vetter(policy, resolver, metrics, audit, plane=Plane.L4)
+    vetted = await vetter.vet("pypi.org:443", 443, peer, Protocol.CONNECT, inspecting=False)
     vetted.pinned      # the only addresses the connection may go to
 
 The loop guard is a step of the address stage, so no plane can dial before it: a destination
 any of whose checked addresses is one of the proxy's own listeners (`own`, shared by every
 Vetter of the process) is refused (`proxy_loop`). A refusal raises `Refused` after its metrics
-and audit line are written. No mitmproxy here.
+and audit line are written. What the caller knows of the decision beyond the policy's answer
+(the request, the SNI, how the host was known) comes as one `Details` and goes into every line
+of the decision as it is. No mitmproxy here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import os
 import time
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 from policy.asking import ALLOW_ONCE, ALLOW_SESSION, Question
 from policy.decisions import Decision
+from policy.dimensions import Plane, Protocol, Stage, Verdict
 from policy.hostnames import normalize_host, parse_ip_literal
 from policy.reasons import Reason
 from proxy.common.bounded import Bounded
@@ -30,7 +35,7 @@ from proxy.common.errors import ProxyError
 from proxy.common.listeners import OwnListeners
 from proxy.common.refusals import Refused, authority
 from proxy.decide.asks import OVERLOADED, RELOAD, TIMEOUT, Asks
-from proxy.decide.events import DecisionEvent
+from proxy.decide.events import NO_DETAILS, DecisionEvent, Details
 
 # The resolver's reason for NOERROR with no A or AAAA record (proxy/net/resolver.py).
 
@@ -39,7 +44,7 @@ if TYPE_CHECKING:
     from proxy.decide.events import AuditSink, MetricsSink
 
 
-class Answer(Protocol):
+class Answer(typing.Protocol):
     """A checked-for-nothing DNS answer, as the resolver gives it."""
 
     @property
@@ -49,7 +54,7 @@ class Answer(Protocol):
     def cname_chain(self) -> Sequence[str]: ...
 
 
-class Resolves(Protocol):
+class Resolves(typing.Protocol):
     """What the Vetter needs of the resolver (proxy.net.resolver.Resolver): one answer per
     name, or ProxyError with a DNS reason code."""
 
@@ -58,9 +63,6 @@ class Resolves(Protocol):
 
 # The refusals of a person's answer (or of its absence): their remedy is the entry asked about.
 _ASKED = frozenset({Reason.ASK_DENIED, Reason.ASK_TIMEOUT, Reason.ASK_OVERLOADED})
-
-# What a decision line says happened: `would_deny` is a connection let through by learning mode.
-ALLOW, DENY, WOULD_DENY = "allow", "deny", "would_deny"
 
 _SESSION_PREFIX = os.urandom(6).hex()
 _COUNTER = itertools.count(1)
@@ -87,20 +89,20 @@ class Vetted:
     checked: AddressDecision  # the address stage
     pinned: tuple[str, ...]  # checked, in answer order
 
-    def context(self) -> dict[str, Any]:
-        """What a decision line says of a destination vetted this far."""
-        decision, checked = self.decision, self.checked
-        return {
-            "host": decision.host,
-            "rule": decision.rule,
-            "ceiling": decision.ceiling,
-            "resolved": tuple(v.address for v in checked.verdicts),
-            "pinned": self.pinned,
-        }
-
 
 def _allow_message(vetted: Vetted) -> str:
     return f"{vetted.decision.message}; {vetted.checked.message}"
+
+
+def _named(details: Details, decision: Decision) -> Details:
+    """`details` for a refusal after the name stage and before any address was checked: the
+    line names the rule and ceiling that admitted the name, where `details` names none (made
+    only for such a refusal, off the allowed path)."""
+    return dataclasses.replace(
+        details,
+        rule=details.rule if details.rule is not None else decision.rule,
+        ceiling=details.ceiling if details.ceiling is not None else decision.ceiling,
+    )
 
 
 # Bounded: its arguments come from clients (SNI, Host); a busy session names the same few.
@@ -154,7 +156,9 @@ class Vetter:
         metrics: MetricsSink | None = None,
         audit: AuditSink | None = None,
         *,
-        plane: str,
+        # Or its value, as the composition root (proxy/app/runtime.py) spells it: made a Plane
+        # here, once, so that anything else fails at start-up (ValueError), not on a line.
+        plane: Plane | str,
         learn: bool = False,
         asks: Asks | None = None,
         own: OwnListeners | None = None,
@@ -166,7 +170,7 @@ class Vetter:
         self.resolver = resolver
         self.metrics = metrics
         self.audit = audit
-        self.plane = plane
+        self.plane = Plane(plane)
         self._memo = _Memo(policy)
 
     def _memo_of(self, policy: Policy) -> _Memo:
@@ -219,14 +223,22 @@ class Vetter:
             # Counted with the line: a tunnel has one decision line once its ClientHello was
             # read (one decision, one line), so each tunnel whose hello carried ECH or ESNI
             # counts once, under the decision it got.
-            self.metrics.tls_ech(event.decision, event.protocol or "unknown")
+            self.metrics.tls_ech(event.decision, event.protocol)
         if self.audit is not None:
             self.audit.decision(event)
 
     def record(
-        self, result: Decision | AddressDecision, peer: Peer, protocol: str, **context: Any
+        self,
+        result: Decision | AddressDecision,
+        peer: Peer,
+        protocol: Protocol,
+        details: Details = NO_DETAILS,
+        *,
+        named: Decision | None = None,
+        port: int | None = None,
     ) -> None:
-        """Metrics and audit for an answer of the policy core."""
+        """Metrics and audit for an answer of the policy core (`named`, `port`: an address
+        decision's name-stage decision and port, DecisionEvent.from_policy)."""
         if self.metrics is not None:
             self.metrics.record(result, self.plane)
         self.event(
@@ -236,28 +248,35 @@ class Vetter:
                 protocol=protocol,
                 client=peer.client,
                 connection=peer.connection,
-                **context,
+                details=details,
+                named=named,
+                port=port,
             )
         )
 
     def allowed(
         self,
         peer: Peer,
-        protocol: str,
+        protocol: Protocol,
         *,
-        stage: str,
+        stage: Stage,
         vetted: Vetted | None = None,
-        **context: Any,
+        port: int | None = None,
+        details: Details = NO_DETAILS,
     ) -> None:
         """The allow line of a destination whose last stage is the caller's (the SNI gate after
         `vet(..., final=False)`): one line for the whole decision, with what vetting found."""
-        if vetted is not None:
-            context = {**vetted.context(), "message": _allow_message(vetted), **context}
-            if vetted.decision.would_deny:
-                # Let through by learning: the line says what it would have been, and why.
-                self._own(WOULD_DENY, vetted.decision.reason, peer, protocol, stage, context)
-                return
-        self._own(ALLOW, Reason.ALLOWED, peer, protocol, stage, context)
+        if vetted is None:
+            self._own(Verdict.ALLOW, Reason.ALLOWED, peer, protocol, stage, details, port=port)
+            return
+        decision = vetted.decision
+        if decision.would_deny:
+            # Let through by learning: the line says what it would have been, and why.
+            verdict, reason = Verdict.WOULD_DENY, decision.reason
+        else:
+            verdict, reason = Verdict.ALLOW, Reason.ALLOWED
+        self._own(verdict, reason, peer, protocol, stage, details, host=decision.host, port=port,
+                  message=_allow_message(vetted), vetted=vetted)  # fmt: skip
 
     def refusal(
         self,
@@ -265,42 +284,47 @@ class Vetter:
         peer: Peer,
         host: str | None,
         port: int | None,
-        protocol: str,
+        protocol: Protocol,
         *,
-        stage: str = "engine",
+        stage: Stage = Stage.ENGINE,
         vetted: Vetted | None = None,
-        **context: Any,
+        details: Details = NO_DETAILS,
     ) -> None:
         """Metrics and audit for a denial the policy core did not produce itself (`vetted`: a
         destination vetted this far, whose rule and addresses the line then names)."""
-        if vetted is not None:
-            context = {**vetted.context(), **context}
-        context.update(host=host, port=port, message=refused.message)
-        self._own(DENY, refused.reason, peer, protocol, stage, context)
+        self._own(Verdict.DENY, refused.reason, peer, protocol, stage, details, host=host,
+                  port=port, message=refused.message, vetted=vetted)  # fmt: skip
 
     def _own(
         self,
-        verdict: str,
+        verdict: Verdict,
         reason: str,
         peer: Peer,
-        protocol: str,
-        stage: str,
-        context: dict[str, Any],
+        protocol: Protocol,
+        stage: Stage,
+        details: Details,
+        *,
+        host: str | None = None,
+        port: int | None = None,
+        message: str | None = None,
+        vetted: Vetted | None = None,
     ) -> None:
+        """A line of the Vetter's own: what the caller knows (`details`, whose rule and
+        ceiling, where set, are the line's) and what vetting found."""
         if self.metrics is not None:
             self.metrics.decision(verdict, reason, stage, self.plane)
-        self.event(
-            DecisionEvent(
-                decision=verdict,
-                reason=reason,
-                stage=stage,
-                plane=self.plane,
-                protocol=protocol,
-                client=peer.client,
-                connection=peer.connection,
-                **context,
-            )
-        )
+        rule = ceiling = None
+        resolved = pinned = None
+        if vetted is not None:
+            rule, ceiling = vetted.decision.rule, vetted.decision.ceiling
+            resolved = tuple(v.address for v in vetted.checked.verdicts)
+            pinned = vetted.pinned
+        event = DecisionEvent.of(
+            verdict, reason, details, stage=stage, plane=self.plane, protocol=protocol,
+            client=peer.client, connection=peer.connection, host=host, port=port, rule=rule,
+            ceiling=ceiling, resolved=resolved, pinned=pinned, message=message,
+        )  # fmt: skip
+        self.event(event)
 
     # -- the stages --------------------------------------------------------------------------
 
@@ -309,12 +333,12 @@ class Vetter:
         target: str,
         port: int | None,
         peer: Peer,
-        protocol: str,
+        protocol: Protocol,
         *,
         inspecting: bool,
         decision: Decision | None = None,
         final: bool = True,
-        **context: Any,
+        details: Details = NO_DETAILS,
     ) -> Vetted:
         """Name stage on `target` (an authority, a URL, or a bare host with `port` None: the DNS
         responder's question), DNS once, address stage. A host
@@ -331,16 +355,16 @@ class Vetter:
             decision = self.decide(target, policy)
         if not decision.allowed:
             decision, policy = await self._refused(
-                policy, decision, target, peer, protocol, context
+                policy, decision, target, peer, protocol, details
             )
-        named = {"rule": decision.rule, "ceiling": decision.ceiling, **context}
         if decision.needs_inspection and not inspecting:
             refused = Refused(
                 403,
                 Reason.INSPECTION_UNSUPPORTED,
                 "this host's rules need TLS inspection, not loaded",
             )
-            self.refusal(refused, peer, decision.host, port, protocol, stage="name", **named)
+            self.refusal(refused, peer, decision.host, port, protocol, stage=Stage.NAME,
+                         details=_named(details, decision))  # fmt: skip
             raise refused
         host = decision.host
         literal = parse_ip_literal(host)
@@ -359,7 +383,8 @@ class Vetter:
                     # Every DNS failure, a timeout included, is a 502 (docs/commands.md); 504 is
                     # kept for an upstream that does not answer the connect.
                     refused = Refused(502, exc.reason, exc.message, error=True)
-                    self.refusal(refused, peer, host, port, protocol, stage="dns", **named)
+                    self.refusal(refused, peer, host, port, protocol, stage=Stage.DNS,
+                                 details=_named(details, decision))  # fmt: skip
                     raise refused from None
                 # An answer with no address is an answer: the address stage refuses it
                 # (`no_addresses`, 403), as `explain --resolve HOST=` does.
@@ -371,10 +396,11 @@ class Vetter:
             else:
                 addresses, cname_chain = tuple(answer.addresses), tuple(answer.cname_chain)
         vetted = self._address_stage(
-            policy, decision, addresses, cname_chain, peer, protocol, port, named
+            policy, decision, addresses, cname_chain, peer, protocol, port, details
         )
         if final:
-            self.allowed(peer, protocol, stage="address", vetted=vetted, port=port, **context)
+            self.allowed(peer, protocol, stage=Stage.ADDRESS, vetted=vetted, port=port,
+                         details=details)  # fmt: skip
         return vetted
 
     async def vet_attributed(
@@ -383,10 +409,10 @@ class Vetter:
         address: str,
         port: int,
         peer: Peer,
-        protocol: str,
+        protocol: Protocol,
         *,
         scheme: str | None = None,
-        **context: Any,
+        details: Details = NO_DETAILS,
     ) -> Vetted:
         """A connection to `address`, which the session's DNS answered for `names` (the most
         recent first) and which carries no name of its own: each name decided on `port` (as a
@@ -409,10 +435,9 @@ class Vetter:
             assert refused is not None, "attributed to no name"
             decision, target = refused
             decision, policy = await self._refused(
-                policy, decision, target, peer, protocol, context
+                policy, decision, target, peer, protocol, details
             )
-        named = {"rule": decision.rule, "ceiling": decision.ceiling, **context}
-        return self._address_stage(policy, decision, (address,), (), peer, protocol, port, named)
+        return self._address_stage(policy, decision, (address,), (), peer, protocol, port, details)
 
     async def _refused(
         self,
@@ -420,19 +445,19 @@ class Vetter:
         decision: Decision,
         target: str,
         peer: Peer,
-        protocol: str,
-        context: dict[str, Any],
+        protocol: Protocol,
+        details: Details,
     ) -> tuple[Decision, Policy]:
         """A name-stage refusal: Refused after its line, unless a person may be asked (`run
         --ask`): then held while one decides, and the allowed decision and the policy in force
         by then (a reload while held) are returned."""
         question = policy.question(decision, target) if self.asks is not None else None
         if question is None:
-            self.record(decision, peer, protocol, **context)
+            self.record(decision, peer, protocol, details)
             raise Refused(
                 403, decision.reason, decision.message, remedy=policy.remedy(decision, target)
             )
-        return await self._ask(decision, question, target, peer, protocol, context)
+        return await self._ask(decision, question, target, peer, protocol, details)
 
     def _address_stage(
         self,
@@ -441,16 +466,16 @@ class Vetter:
         addresses: tuple[str, ...],
         cname_chain: tuple[str, ...],
         peer: Peer,
-        protocol: str,
+        protocol: Protocol,
         port: int | None,
-        named: dict[str, Any],
+        details: Details,
     ) -> Vetted:
         """The address stage on one answer for an allowed name, the loop guard last (a
         connection on a `port`; a DNS question has none): what vetting found, or Refused after
-        its line (`named`: the rule and context the line carries)."""
+        its line (which names the name's rule and ceiling, and `details`)."""
         checked = self._check_addresses(policy, decision.host, addresses, cname_chain)
         if not checked.allowed or not checked.pinned:
-            self.record(checked, peer, protocol, port=port, **named)
+            self.record(checked, peer, protocol, details, named=decision, port=port)
             raise Refused(
                 403,
                 checked.reason or Reason.NO_ADDRESSES,
@@ -464,8 +489,8 @@ class Vetter:
                 Reason.PROXY_LOOP,
                 f"{authority(decision.host, port)} is this proxy's own listener",
             )
-            self.refusal(refused, peer, decision.host, port, protocol, stage="address",
-                         vetted=vetted, **named)  # fmt: skip
+            self.refusal(refused, peer, decision.host, port, protocol, stage=Stage.ADDRESS,
+                         vetted=vetted, details=details)  # fmt: skip
             raise refused
         return vetted
 
@@ -475,8 +500,8 @@ class Vetter:
         question: Question,
         target: str,
         peer: Peer,
-        protocol: str,
-        context: dict[str, Any],
+        protocol: Protocol,
+        details: Details,
     ) -> tuple[Decision, Policy]:
         """Hold the connection until a person answers `question` (proxy/decide/asks.py): the
         allowed decision and the policy in force once answered, or Refused after its line is
@@ -514,7 +539,7 @@ class Vetter:
             break
         if decision.allowed:
             return decision, policy
-        self.record(decision, peer, protocol, **context)
+        self.record(decision, peer, protocol, details)
         remedy = policy.remedy(refused, target) if decision.reason in _ASKED else None
         raise Refused(
             403,

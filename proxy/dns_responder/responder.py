@@ -48,9 +48,11 @@ import dns.rdataclass
 import dns.rdatatype
 
 from policy import PolicyError
+from policy.dimensions import Protocol, Stage
 from policy.hostnames import normalize_host
 from policy.reasons import Reason
 from proxy.common.refusals import Refused, shown
+from proxy.decide.events import Details
 
 if TYPE_CHECKING:
     from proxy.decide.attribution import Attribution
@@ -159,7 +161,7 @@ class DnsResponder:
                 refused = Refused(
                     403, Reason.INTERNAL_ERROR, f"internal error: {type(exc).__name__}"
                 )
-                self._refusal(refused, peer, name, qtype, stage="dns")
+                self._refusal(refused, peer, name, qtype, stage=Stage.DNS)
         self.count(qtype, rcode_text(answer.rcode))
         return answer
 
@@ -200,19 +202,20 @@ class DnsResponder:
         # Through the Vetter: a learning session answers (and audits as would_deny) names it
         # would refuse, with the same address checks, as its connections are let through.
         decision = vetter.decide(host)
+        details = Details(method=qtype)  # a query's lines name its type as a request's method
         if not is_answerable(question.qtype):
             if not decision.allowed:
-                vetter.record(decision, peer, "dns", method=qtype)
+                vetter.record(decision, peer, Protocol.DNS, details)
                 return DnsAnswer(REFUSED, decision.reason)
             message = f"{host}: {qtype} records are not served (only A and AAAA); no records"
             refused = Refused(403, Reason.DNS_QTYPE_NOT_SERVED, message)
-            self._refusal(refused, peer, host, qtype, stage="request", rule=decision.rule)
+            self._refusal(refused, peer, host, qtype, stage=Stage.REQUEST, rule=decision.rule)
             return DnsAnswer(NOERROR, Reason.DNS_QTYPE_NOT_SERVED)
         try:
             # A path-rule host is answered too: the proxy lets it through (inspected) on some
             # port, and the name stage of the connection decides that again.
             vetted = await vetter.vet(
-                host, None, peer, "dns", inspecting=True, decision=decision, method=qtype
+                host, None, peer, Protocol.DNS, inspecting=True, decision=decision, details=details
             )
         except Refused as refused:
             if refused.error:  # a DNS failure of our resolver
@@ -233,13 +236,13 @@ class DnsResponder:
         at all): its audit line and metrics. `rcode`: what the transport answers (FORMERR where
         the header could be read), None when it drops the message."""
         with contextlib.suppress(Exception):
-            self._refusal(Refused(403, reason, message), peer, None, None, stage="request")
+            self._refusal(Refused(403, reason, message), peer, None, None, stage=Stage.REQUEST)
             self.count("none", rcode_text(rcode) if rcode is not None else "dropped")
 
     def _refuse(
         self, rcode: int, reason: str, message: str, peer: Peer, name: str | None, qtype: str
     ) -> DnsAnswer:
-        stage = "name" if reason not in _REQUEST_REASONS else "request"
+        stage = Stage.NAME if reason not in _REQUEST_REASONS else Stage.REQUEST
         self._refusal(Refused(403, reason, message), peer, name, qtype, stage=stage)
         return DnsAnswer(rcode, reason)
 
@@ -250,11 +253,12 @@ class DnsResponder:
         name: str | None,
         qtype: str | None,
         *,
-        stage: str,
+        stage: Stage,
         rule: str | None = None,
     ) -> None:
         host = shown(name) if name is not None else None
-        self.vetter.refusal(refused, peer, host, None, "dns", stage=stage, method=qtype, rule=rule)
+        self.vetter.refusal(refused, peer, host, None, Protocol.DNS, stage=stage,
+                            details=Details(method=qtype, rule=rule))  # fmt: skip
 
     def count(self, qtype: str, rcode: str) -> None:
         if self.metrics is not None:

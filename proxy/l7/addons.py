@@ -22,6 +22,7 @@ every hook is wrapped by `fail_closed`, which denies in the hook's own terms.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -31,9 +32,11 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from mitmproxy import http, tcp
 from mitmproxy.proxy.layers.tls import HTTP1_ALPNS, HTTP2_ALPN
 
+from policy.dimensions import Protocol, Stage
 from policy.reasons import Reason
 from proxy.common.errors import ProxyError
 from proxy.common.refusals import Refused, authority, shown
+from proxy.decide.events import NO_DETAILS, Details
 from proxy.l7.modes import CloseClient
 from proxy.l7.patches import ANSWER
 from proxy.l7.request_checks import (
@@ -59,7 +62,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-HTTPS = "https"  # the audit protocol of a request inside interception
 # Bodies above this many bytes are streamed, not buffered (docs/limits.md); smaller ones are
 # buffered whole, cheaper per request and bounded by this size.
 STREAM_LARGE_BODIES = "64k"
@@ -151,11 +153,20 @@ class _Hooks:
             raise ProxyError("not_ours", "a client connection the engine was not handed")
         return connection
 
-    def refusal(self, connection: Intercepted, refused: Refused, **context: Any) -> None:
+    def refusal(
+        self,
+        connection: Intercepted,
+        refused: Refused,
+        *,
+        stage: Stage,
+        details: Details = NO_DETAILS,
+    ) -> None:
+        """The line of a refusal inside interception: a request's protocol is `https`."""
         destination = connection.destination
         self.vetter.refusal(
-            refused, destination.peer, destination.host, destination.port, HTTPS, **context
-        )
+            refused, destination.peer, destination.host, destination.port, Protocol.HTTPS,
+            stage=stage, details=details,
+        )  # fmt: skip
 
     def failed(
         self, hook: str, argument: Any, exc: Exception, deny: Callable[[Any, Any], None]
@@ -168,7 +179,7 @@ class _Hooks:
             if connection is not None:
                 message = f"internal error in {hook}: {type(exc).__name__}"
                 self.refusal(
-                    connection, Refused(403, Reason.INTERNAL_ERROR, message), stage="engine"
+                    connection, Refused(403, Reason.INTERNAL_ERROR, message), stage=Stage.ENGINE
                 )
             deny(self, argument)
         except Exception:
@@ -234,21 +245,17 @@ class RequestGate(_Hooks):
         request = flow.request
         destination = connection.destination
         # Every line of a request names the SNI its connection was gated on.
-        context: dict[str, Any] = {
-            "method": request.method,
-            "path": request.path,
-            "sni": destination.sni,
-        }
+        details = Details(method=request.method, path=request.path, sni=destination.sni)
         target = f"https://{authority(destination.host, destination.port)}{request.path}"
         try:
             refused = check_request(request, destination) or _invalid(flow)
             if refused is not None:
-                stage = "host" if refused.reason == Reason.HOST_MISMATCH else "request"
-                self.refusal(connection, refused, stage=stage, **context)
+                stage = Stage.HOST if refused.reason == Reason.HOST_MISMATCH else Stage.REQUEST
+                self.refusal(connection, refused, stage=stage, details=details)
                 raise refused
             vetted = await self.vetter.vet(
-                target, destination.port, destination.peer, HTTPS, inspecting=True,
-                final=False, **context,
+                target, destination.port, destination.peer, Protocol.HTTPS, inspecting=True,
+                final=False, details=details,
             )  # fmt: skip
         except Refused as refused:
             answer(flow, denial(refused, destination.host, destination.port, request))
@@ -258,9 +265,11 @@ class RequestGate(_Hooks):
         credential = None
         if self.credentials is not None and not vetted.decision.would_deny:
             credential = self.credentials.apply(request, destination.host)
+        if credential is not None:  # named on the request's one allow line
+            details = dataclasses.replace(details, credential=credential)
         self.vetter.allowed(
-            destination.peer, HTTPS, stage="address", vetted=vetted, port=destination.port,
-            credential=credential, **context,
+            destination.peer, Protocol.HTTPS, stage=Stage.ADDRESS, vetted=vetted,
+            port=destination.port, details=details,
         )  # fmt: skip
         connection.vetted[(destination.host, destination.port)] = vetted.pinned
         connection.pinned = vetted.pinned
@@ -286,7 +295,7 @@ class RequestGate(_Hooks):
         upgraded = flow.metadata.get(_UPGRADE_URL)
         if upgraded is not None and upgrade_tokens(response.headers) == [WEBSOCKET]:
             # The WebSocket was decided as the request that opened it; its bytes follow.
-            connection.protocol = "wss"
+            connection.protocol = Protocol.WSS
             connection.upgraded = upgraded
             return
         asked = ", ".join(upgrade_tokens(response.headers)) or "nothing named"
@@ -295,7 +304,9 @@ class RequestGate(_Hooks):
             Reason.UPGRADE_REFUSED,
             f"the upstream switched protocols to {shown(asked)!r} unasked",
         )
-        self.refusal(connection, refused, stage="request", method=flow.request.method)
+        self.refusal(
+            connection, refused, stage=Stage.REQUEST, details=Details(method=flow.request.method)
+        )
         flow.kill()
 
     @fail_closed(_kill)
@@ -363,7 +374,7 @@ class Pinning(_Hooks):
         pins = connection.vetted.get((address[0], address[1])) if address else None
         if not pins or address is None:
             server.error = self.ledger.fail(data.client.id, NOT_VETTED)
-            self.refusal(connection, NOT_VETTED, stage="connect")
+            self.refusal(connection, NOT_VETTED, stage=Stage.CONNECT)
             return
         if server.tls:
             server.sni = connection.destination.host  # verified against the name, not an IP
@@ -385,7 +396,7 @@ class Pinning(_Hooks):
             Reason.UPSTREAM_TIMEOUT,
         ):
             return  # refused before any dial: that refusal has its own line
-        self.refusal(self.connection(data.client), refused, stage="upstream")
+        self.refusal(self.connection(data.client), refused, stage=Stage.UPSTREAM)
 
     @fail_closed(_end_connection)
     def tls_failed_server(self, data: TlsData) -> None:
@@ -395,7 +406,9 @@ class Pinning(_Hooks):
         message = str(data.conn.error or "TLS handshake failed")
         connection.tls_failure = message
         self.refusal(
-            connection, Refused(502, Reason.UPSTREAM_TLS, message, error=True), stage="upstream"
+            connection,
+            Refused(502, Reason.UPSTREAM_TLS, message, error=True),
+            stage=Stage.UPSTREAM,
         )
 
     @fail_closed(_end_connection)
@@ -409,7 +422,7 @@ class Pinning(_Hooks):
         connection = self.connection(data.context.client)
         message = f"ALPN {shown(alpn.decode('latin-1'))!r} is not spoken inside interception"
         refused = Refused(403, Reason.INSPECTION_UNSUPPORTED, message)
-        self.refusal(connection, refused, stage="request")
+        self.refusal(connection, refused, stage=Stage.REQUEST)
         connection.end(Reason.INSPECTION_UNSUPPORTED)
 
     @fail_closed(_end_connection)

@@ -38,6 +38,7 @@ from mitmproxy import options
 from mitmproxy.addons import proxyserver, tlsconfig
 from mitmproxy.master import Master
 
+from policy.dimensions import Plane, Stage
 from policy.reasons import Reason
 from proxy.common.errors import ProxyError
 from proxy.common.refusals import Refused
@@ -290,7 +291,7 @@ class Engine:
     def _opened(self, connection: Intercepted) -> None:
         self._live.add(connection)
         if self.metrics is not None:
-            self.metrics.connection_opened("l7", connection.protocol)
+            self.metrics.connection_opened(Plane.L7, connection.protocol)
         # TLS and the first request head must come within limits.header_timeout.
         timeout = self.config.limits.header_timeout
         loop = asyncio.get_running_loop()
@@ -307,7 +308,7 @@ class Engine:
             )
             self.vetter.refusal(
                 refused, destination.peer, destination.host, destination.port,
-                connection.protocol, stage="accept",
+                connection.protocol, stage=Stage.ACCEPT,
             )  # fmt: skip
         finally:
             connection.end(Reason.HEADER_TIMEOUT)
@@ -321,7 +322,7 @@ class Engine:
         duration = time.monotonic() - connection.opened
         counted = connection.counted
         if self.metrics is not None:
-            self.metrics.connection_closed("l7", counted.up, counted.down, duration)
+            self.metrics.connection_closed(Plane.L7, counted.up, counted.down, duration)
         if self.audit is None:
             return
         destination = connection.destination
@@ -329,7 +330,7 @@ class Engine:
             CloseEvent(
                 host=destination.host,
                 port=destination.port,
-                plane="l7",
+                plane=Plane.L7,
                 protocol=connection.protocol,
                 client=destination.peer.client,
                 connection=destination.peer.connection,

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from policy.dimensions import Protocol
 from policy.reasons import Reason
 from proxy.common.refusals import Refused
 
@@ -59,7 +60,8 @@ class Intercepted:
     opened: float = field(default_factory=time.monotonic)
     counted: Bytes = field(default_factory=Bytes)
     client_id: str = ""  # mitmproxy's Client.id, once its handler exists
-    protocol: str = ""  # the audit label: the destination's, "wss" once upgraded
+    # The audit label: the destination's, `wss` once upgraded.
+    protocol: Protocol = field(init=False)
     # (host, port) as mitmproxy dials it -> the checked addresses of the last request there.
     vetted: dict[tuple[str, int], tuple[str, ...]] = field(default_factory=dict)
     pinned: tuple[str, ...] = ()  # of the last decided request
@@ -70,7 +72,7 @@ class Intercepted:
     head_timer: asyncio.TimerHandle | None = None  # until the first request head arrives
 
     def __post_init__(self) -> None:
-        self.protocol = self.protocol or self.destination.protocol
+        self.protocol = self.destination.protocol
         self.pinned = self.pinned or self.destination.pinned
 
     def end(self, reason: str) -> None:

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TextIO
 
+from policy.dimensions import Verdict
 from proxy.decide.events import CloseEvent, DecisionEvent
 
 if TYPE_CHECKING:
@@ -99,7 +100,11 @@ class AuditLog:
             # A caller's bug put an unhashable value in a text field: written as its text.
             event = _as_text(event)
             line = event.line(session=self.session, now=now)
-        if self.denials is not None and type(event) is DecisionEvent and event.decision == "deny":
+        if (
+            self.denials is not None
+            and type(event) is DecisionEvent
+            and event.decision == Verdict.DENY
+        ):
             # Fed here, where the line is made, and whether or not the write succeeds: the
             # denial happened, and a harness reading /denials should hear of it either way.
             self.denials.add(event, now)

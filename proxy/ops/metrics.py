@@ -28,6 +28,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from policy.dimensions import Plane, Protocol, Stage, Verdict
 from proxy.common.bounded import Bounded
 
 if TYPE_CHECKING:
@@ -38,13 +39,15 @@ if TYPE_CHECKING:
 
 PREFIX = "egress_"
 OTHER = "other"
+_UNKNOWN = "unknown"  # the protocol label of a connection opened without one
 _CODE = re.compile(r"[a-z][a-z0-9_]{0,63}")
 # The reason codes of policy, resolver and engine together are a few dozen; this leaves room for
 # codes added later while still capping the series a bug that leaks input into a label can create.
 MAX_LABEL_VALUES = 128
-PLANES = frozenset({"l4", "l7"})
+# The closed sets of policy/dimensions.py, as the bare values the series are keyed by.
+PLANES = frozenset(plane.value for plane in Plane)
 # `would_deny`: a connection learning mode (`run --learn`) let through.
-DECISIONS = frozenset({"allow", "deny", "would_deny"})
+DECISIONS = frozenset(verdict.value for verdict in Verdict)
 DIRECTIONS = ("up", "down")
 # The DNS responder's query types and answer codes worth a series of their own; any other type
 # is `other` (the type is the client's choice: 65536 values).
@@ -56,7 +59,7 @@ DNS_RCODES = frozenset(
 )
 RELOAD_RESULTS = ("success", "failure")
 # The protocols a TLS tunnel's ClientHello is read on: CONNECT, SOCKS5, a transparent listener.
-TUNNEL_PROTOCOLS = frozenset({"connect", "socks5", "tls"})
+TUNNEL_PROTOCOLS = frozenset(p.value for p in (Protocol.CONNECT, Protocol.SOCKS5, Protocol.TLS))
 
 # Latency of one DNS lookup or one upstream TCP connect. A cache hit answers in microseconds, a
 # loopback or in-cluster resolver in about a millisecond, an internet round trip in 10-300 ms, and
@@ -278,7 +281,7 @@ class Metrics:
             self._counters[_RELOADS][(result,)] = 0.0
         self._counters[_AUDIT_ERRORS][()] = 0.0
         # Every series of this small closed set: an alert on ech_refused tunnels sees a 0.
-        for decision in ("allow", "deny"):
+        for decision in (Verdict.ALLOW.value, Verdict.DENY.value):
             for protocol in sorted(TUNNEL_PROTOCOLS):
                 self._counters[_TLS_ECH][(decision, protocol)] = 0.0
 
@@ -306,10 +309,12 @@ class Metrics:
 
     # -- events -------------------------------------------------------------------------------
 
-    def decision(self, decision: str | bool, reason: str, stage: str, plane: str = "l7") -> None:
-        """One policy decision. `decision` is "allow"/"deny" (or a bool: True is allow)."""
+    def decision(
+        self, decision: Verdict | bool, reason: str, stage: Stage, plane: Plane = Plane.L7
+    ) -> None:
+        """One policy decision. `decision` is a Verdict (or a bool: True is allow)."""
         if isinstance(decision, bool):
-            decision = "allow" if decision else "deny"
+            decision = Verdict.ALLOW if decision else Verdict.DENY
         key = (decision, reason, stage, plane)
         labels = self._decision_labels.get(key)
         if labels is None:
@@ -321,10 +326,10 @@ class Metrics:
             )
             self._decision_labels.put(key, labels)
         self._add(_DECISIONS, labels)
-        if decision == "would_deny":
+        if decision == Verdict.WOULD_DENY:
             self._add(_WOULD_DENY, (labels[1],))
 
-    def record(self, decision: Decision | AddressDecision, plane: str = "l7") -> None:
+    def record(self, decision: Decision | AddressDecision, plane: Plane = Plane.L7) -> None:
         """A policy `Decision` or `AddressDecision` as it came out of the policy core."""
         self.decision(decision.allowed, decision.reason, decision.stage, plane)
 
@@ -336,18 +341,21 @@ class Metrics:
         """`outcome` is "ok" or the failure's reason code (connect_refused, connect_timeout...)."""
         self._observe(_UPSTREAM_CONNECT, (self._outcome(outcome),), _amount(seconds))
 
-    def connection_opened(self, plane: str, protocol: str = "unknown") -> None:
-        plane = self._plane(plane)
-        self._add(_CONNECTIONS, (plane, self._protocol(protocol)))
-        self._active[plane] = self._active.get(plane, 0) + 1
+    def connection_opened(self, plane: Plane, protocol: Protocol | None = None) -> None:
+        label = self._plane(plane)
+        shown = self._protocol(protocol if protocol is not None else _UNKNOWN)
+        self._add(_CONNECTIONS, (label, shown))
+        self._active[label] = self._active.get(label, 0) + 1
 
-    def connection_closed(self, plane: str, bytes_up: int, bytes_down: int, seconds: float) -> None:
+    def connection_closed(
+        self, plane: Plane, bytes_up: int, bytes_down: int, seconds: float
+    ) -> None:
         """Pairs with one `connection_opened(plane)`."""
-        plane = self._plane(plane)
-        self._active[plane] = self._active.get(plane, 0) - 1
-        self._add(_BYTES, ("up", plane), _amount(bytes_up))
-        self._add(_BYTES, ("down", plane), _amount(bytes_down))
-        self._observe(_DURATION, (plane,), _amount(seconds))
+        label = self._plane(plane)
+        self._active[label] = self._active.get(label, 0) - 1
+        self._add(_BYTES, ("up", label), _amount(bytes_up))
+        self._add(_BYTES, ("down", label), _amount(bytes_down))
+        self._observe(_DURATION, (label,), _amount(seconds))
 
     def engine_loaded(self, loaded: bool) -> None:
         self._engine = 1 if loaded else 0
@@ -370,9 +378,9 @@ class Metrics:
         question) and the answer's code (`NOERROR`, `REFUSED`, ..., `dropped`)."""
         self._add(_DNS_QUERIES, (self._qtype(qtype), self._rcode(rcode)))
 
-    def tls_ech(self, decision: str, protocol: str) -> None:
-        """One tunnel whose ClientHello carried ECH or ESNI, with its decision ("allow" or
-        "deny") and protocol (`connect`, `socks5`, `tls`)."""
+    def tls_ech(self, decision: Verdict, protocol: Protocol | None) -> None:
+        """One tunnel whose ClientHello carried ECH or ESNI, with its decision (`allow` or
+        `deny`) and protocol (`connect`, `socks5`, `tls`; any other is `other`)."""
         self._add(_TLS_ECH, (self._decision(decision), self._tunnel_protocol(protocol)))
 
     def credential_injected(self, name: str) -> None:
