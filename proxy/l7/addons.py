@@ -323,13 +323,9 @@ class RequestGate(_Hooks):
         if flow.error is None or flow.response is not None:
             return
         connection = self.connection(flow.client_conn)
-        message = flow.error.msg
-        refused = self.ledger.forget_failure(flow.client_conn.id, message)
+        refused = self.ledger.forget_failure(flow.client_conn.id, flow.error.msg)
         if refused is None:
-            if connection.tls_failure is None or message != connection.tls_failure:
-                return  # not an upstream failure of ours: mitmproxy's own answer stands
-            refused = Refused(502, Reason.UPSTREAM_TLS, message, error=True)
-            connection.tls_failure = None
+            return  # not an upstream failure of ours: mitmproxy's own answer stands
         destination = connection.destination
         flow.metadata[ANSWER] = denial(refused, destination.host, destination.port, flow.request)
 
@@ -404,12 +400,11 @@ class Pinning(_Hooks):
         the request gets 502 upstream_tls, and nothing was sent upstream."""
         connection = self.connection(data.context.client)
         message = str(data.conn.error or "TLS handshake failed")
-        connection.tls_failure = message
-        self.refusal(
-            connection,
-            Refused(502, Reason.UPSTREAM_TLS, message, error=True),
-            stage=Stage.UPSTREAM,
-        )
+        refused = Refused(502, Reason.UPSTREAM_TLS, message, error=True)
+        # Kept as the value its line is written from, by the text mitmproxy carries on to the
+        # request's flow (its error), as a failed dial's is: the `error` hook answers it.
+        self.ledger.fail(data.context.client.id, refused, message)
+        self.refusal(connection, refused, stage=Stage.UPSTREAM)
 
     @fail_closed(_end_connection)
     def tls_established_client(self, data: TlsData) -> None:

@@ -5,6 +5,7 @@
     ledger.allow_dial(server.id, Dial(...))               # the server_connect hook
     ledger.take_dial(server.id)                           # the dial itself (patches.py)
     server.error = ledger.fail(client.id, refused)        # why it was not connected
+    ledger.fail(client.id, refused, text)                 # or why its TLS handshake failed
 
 mitmproxy hands a server connection's failure on only as text (`Server.error`, then the flow's
 error), and to a request's flow through a server connection of its own: the refusal is kept
@@ -67,7 +68,6 @@ class Intercepted:
     pinned: tuple[str, ...] = ()  # of the last decided request
     upstream: str | None = None  # the address last connected to
     upgraded: str | None = None  # the URL whose request opened a WebSocket, for reloads
-    tls_failure: str | None = None  # the last failed upstream handshake's message, unanswered
     close_reason: str = Reason.CLOSED
     head_timer: asyncio.TimerHandle | None = None  # until the first request head arrives
 
@@ -125,8 +125,8 @@ class Ledger:
 
     def fail(self, client_id: str, refused: Refused, text: str | None = None) -> str:
         """Why an upstream connection of client `client_id` was not connected (refused before
-        its dial, or the dial failed); returns the text mitmproxy carries (`text`, or one made
-        of the refusal). Bounded: the oldest are forgotten first."""
+        its dial, the dial failed, or its TLS handshake did); returns the text mitmproxy
+        carries (`text`, or one made of the refusal). Bounded: the oldest are forgotten first."""
         if text is None:
             text = f"egress-proxy: {refused.reason}: {refused.message}"
         failures = self._failures
