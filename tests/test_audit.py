@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -15,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from policy.addresses import Verdict
 from policy.decisions import AddressDecision, Decision
 from proxy.decide.events import MAX_FIELD, MAX_PATH, CloseEvent, DecisionEvent
-from proxy.ops.audit import AuditLog
+from proxy.ops.audit import MAX_PENDING, AuditLog
 from proxy.ops.metrics import Metrics
 
 # 2026-01-02T03:04:05.678Z
@@ -301,3 +302,60 @@ def test_an_unhashable_value_is_written_as_its_text(tmp_path: Path) -> None:
         log.decision(decision="deny", reason="x", host=["a", "b"])  # type: ignore[arg-type]
     [line] = lines_of(path)
     assert line["host"] == "['a', 'b']" and line["reason"] == "x"
+
+
+def _allowed(host: str) -> DecisionEvent:
+    return DecisionEvent(
+        decision="allow", reason="allowed", stage="name", plane="l4", protocol="connect",
+        host=host, port=443,
+    )  # fmt: skip
+
+
+def _denied(host: str) -> DecisionEvent:
+    return DecisionEvent(
+        decision="deny", reason="not_allowed", stage="name", plane="l4", protocol="connect",
+        host=host, port=443,
+    )  # fmt: skip
+
+
+def test_inside_a_loop_lines_land_once_the_iteration_ends_and_a_deny_at_once(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "audit.jsonl"
+
+    def hosts() -> list[str]:
+        text = path.read_text(encoding="ascii")
+        return [json.loads(line)["host"] for line in text.splitlines()]
+
+    async def main() -> None:
+        with AuditLog(path) as log:
+            log.decision(_allowed("a.test"))
+            log.closed(CloseEvent(host="a.test", port=443, reason="client_closed"))
+            log.decision(_allowed("b.test"))
+            assert hosts() == []  # gathered for one write at the end of this iteration
+            await asyncio.sleep(0)
+            assert hosts() == ["a.test", "a.test", "b.test"]
+            log.decision(_allowed("c.test"))
+            # A deny is in the file before the caller sends the refusal, after what came first.
+            log.decision(_denied("d.test"))
+            assert hosts() == ["a.test", "a.test", "b.test", "c.test", "d.test"]
+            log.decision(_allowed("e.test"))
+        # Closing writes what is gathered.
+        assert hosts()[-1] == "e.test"
+
+    asyncio.run(main())
+
+
+def test_a_burst_in_one_iteration_is_written_in_bounded_batches(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+
+    async def main() -> None:
+        with AuditLog(path) as log:
+            for i in range(MAX_PENDING + 10):
+                log.decision(_allowed(f"h{i}.test"))
+            # The first MAX_PENDING went out without waiting for the loop.
+            assert len(path.read_text().splitlines()) == MAX_PENDING
+            await asyncio.sleep(0)
+            assert len(path.read_text().splitlines()) == MAX_PENDING + 10
+
+    asyncio.run(main())
