@@ -53,12 +53,31 @@ def test_audit_lines_under_a_flood_of_distinct_hosts_and_clients(tmp_path: Path)
                 connection=f"c{n}",
             )
             assert len(events._ENCODED) <= events._ENCODED_ENTRIES
-            assert len(events._CLIENTS) <= events._ENCODED_ENTRIES
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(lines) == flood
     # Every line names its own host and client, cached, evicted or not.
     assert all(x["host"] == f"h{n}.test" for n, x in enumerate(lines))
     assert all(x["client"] == f"192.0.2.1:{1024 + n}" for n, x in enumerate(lines))
+
+
+def test_what_only_one_connection_names_is_never_remembered(tmp_path: Path) -> None:
+    # A connection's id and client port are new on every connection: remembering their
+    # encodings would fill the table (and the idle proxy's memory) with values never seen again.
+    events._ENCODED.clear()
+    with AuditLog(tmp_path / "audit.jsonl", session="s") as log:
+        for n in range(2000):
+            log.decision(
+                decision="allow",
+                reason="allowed",
+                stage="address",
+                host="same.test",
+                client=("192.0.2.1", 1024 + n),
+                connection=f"c{n}",
+            )
+    assert len(events._ENCODED) < 20
+    lines = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    assert [x["connection"] for x in lines[-2:]] == ["c1998", "c1999"]
+    assert lines[-1]["client"] == "192.0.2.1:3023"
 
 
 def test_metric_label_sets_under_a_flood_of_distinct_keys() -> None:
