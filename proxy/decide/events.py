@@ -185,7 +185,7 @@ def _head(kind: str, event: DecisionEvent | CloseEvent, f: _Fields, session: str
     return (
         f'{{"time":"{timestamp(now)}","event":"{kind}"'
         f',"session":{"null" if (v := session) is None else E.get(v) or f.text(v, "session")}'
-        f',"connection":{"null" if (v := event.connection) is None else f.once(v, "connection")}'  # noqa: E501
+        f',"connection":{"null" if (v := event.connection) is None else f.once(v, "connection")}'
         f',"client":{"null" if (v := client) is None else f.once(v, "client")}'
         f',"plane":{"null" if (v := event.plane) is None else E.get(v) or f.text(v, "plane")}'
         f',"protocol":{"null" if (v := event.protocol) is None else E.get(v) or f.text(v, "protocol")}'  # noqa: E501
