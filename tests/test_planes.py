@@ -12,7 +12,7 @@ import pytest
 from policy import compile_policy, load_manifest
 from proxy.app.inputs import compile_inputs, read_inputs
 from proxy.common.settings import Config
-from proxy.decide.planes import Update, configure_vetter
+from proxy.decide.planes import Update
 from proxy.decide.vetting import Vetter
 from proxy.dns_responder.responder import DnsResponder
 from proxy.dns_responder.server import DnsServer, ServerLimits
@@ -25,12 +25,12 @@ def test_an_update_changes_what_it_names_and_nothing_else() -> None:
     wide = compile_policy(load_manifest(MANIFEST))
     vetter = Vetter(wide, None, plane="l4", learn=True, asks=object())  # type: ignore[arg-type]
     narrow = compile_policy(load_manifest("network:\n  egress: [a.test]\n"))
-    configure_vetter(vetter, Update(policy=narrow))
+    vetter.configure(Update(policy=narrow))
     assert (vetter.policy, vetter.resolver, vetter.learn) == (narrow, None, True)
     assert vetter.asks is not None
-    configure_vetter(vetter, Update(stop_learning=True))
+    vetter.configure(Update(stop_learning=True))
     assert (vetter.policy, vetter.learn, vetter.asks is not None) == (narrow, False, True)
-    configure_vetter(vetter, Update(stop_asking=True))
+    vetter.configure(Update(stop_asking=True))
     assert (vetter.policy, vetter.learn, vetter.asks) == (narrow, False, None)
 
 

@@ -64,6 +64,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 from policy import Policy
+from policy.dimensions import Plane
 from proxy import __version__
 from proxy.app.ask_token import read_or_create_token
 from proxy.app.checks import refuse_own_nameservers
@@ -79,7 +80,7 @@ from proxy.dataplane.frontdoor import FrontDoor
 from proxy.decide.asks import AskLimits, Asks
 from proxy.decide.attribution import Attribution
 from proxy.decide.interception import engine_needed
-from proxy.decide.planes import Plane, Update
+from proxy.decide.planes import Configurable, Update
 from proxy.decide.vetting import Resolves, Vetter
 from proxy.dns_responder.responder import DnsResponder
 from proxy.dns_responder.server import DnsServer, ServerLimits
@@ -239,7 +240,7 @@ class Runtime:
             if self.engine is not None:
                 await self.engine_for_intercept()
             self.front = FrontDoor(
-                self._vetter("l4", resolver),
+                self._vetter(Plane.L4, resolver),
                 config,
                 self.metrics,
                 self.audit,
@@ -280,7 +281,7 @@ class Runtime:
         if warning is not None:
             self.say(warning)
 
-    def _vetter(self, plane: str, resolver: Resolves) -> Vetter:
+    def _vetter(self, plane: Plane, resolver: Resolves) -> Vetter:
         """A plane's own Vetter (`l4`: the front door's and the DNS responder's; `l7`: the
         engine's), with the session's policy and modes as they are now; a reload changes them
         through the planes (`_configure`)."""
@@ -302,7 +303,7 @@ class Runtime:
             return ()
         limits = self.compiled.config.limits
         self.dns = DnsServer(
-            DnsResponder(self._vetter("l4", resolver), self.metrics, self.attribution),
+            DnsResponder(self._vetter(Plane.L4, resolver), self.metrics, self.attribution),
             ServerLimits(header_timeout=limits.header_timeout, idle_timeout=limits.idle_timeout),
         )
         return await self.dns.start(self.dns_listen)
@@ -316,7 +317,7 @@ class Runtime:
 
         assert self.resolver is not None
         self.engine = Engine(
-            self._vetter("l7", self.resolver), self.compiled.config, self.metrics, self.audit
+            self._vetter(Plane.L7, self.resolver), self.compiled.config, self.metrics, self.audit
         )
         return self.engine
 
@@ -451,8 +452,8 @@ class Runtime:
         self.metrics.reload(ok=False)
         self.say(f"reload failed ({refused.reason}), keeping the previous policy: {refused}")
 
-    def _planes(self) -> list[Plane]:
-        planes: list[Plane | None] = [self.front, self.engine, self.dns]
+    def _planes(self) -> list[Configurable]:
+        planes: list[Configurable | None] = [self.front, self.engine, self.dns]
         return [plane for plane in planes if plane is not None]
 
     def _configure(self, update: Update) -> list[str]:

@@ -28,7 +28,6 @@ from proxy.common.errors import ProxyError
 from proxy.common.listeners import Listener
 from proxy.dataplane.connection import Door
 from proxy.dataplane.kinds import protocol_for
-from proxy.decide.planes import configure_vetter
 from proxy.net.sockets import listening_socket
 
 if TYPE_CHECKING:
@@ -74,7 +73,7 @@ class FrontDoor:
         changed, and when the policy, learning or asking changed, every live connection the
         update no longer allows is closed. Returns the connection ids closed. (The engine's
         connections are the engine's to re-decide.)"""
-        configure_vetter(self.door.vetter, update)
+        self.door.vetter.configure(update)
         if update.config is not None:
             self._reconfigure(update.config)
         return self._redecide() if update.redecides else []

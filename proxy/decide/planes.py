@@ -1,5 +1,6 @@
-"""What a reload changes in a running plane, and the one way every plane takes it: a `Plane`
-has one method, `configure(update)`, as a mitmproxy addon has `configure(updated)`.
+"""What a reload changes in a running plane, and the one way every plane takes it: a
+`Configurable` plane has one method, `configure(update)`, as a mitmproxy addon has
+`configure(updated)`; each plane's Vetter takes its part with `Vetter.configure`.
 
     update = Update(policy=compiled.policy, resolver=resolver, config=compiled.config)
     closed = [id for plane in planes for id in plane.configure(update)]
@@ -24,9 +25,9 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from policy import Policy
     from proxy.common.settings import Config
-    from proxy.decide.vetting import Resolves, Vetter
+    from proxy.decide.vetting import Resolves
 
-__all__ = ["Plane", "Update", "configure_vetter"]
+__all__ = ["Configurable", "Update"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,20 +54,7 @@ class Update:
         return self.policy is not None or self.stop_learning or self.stop_asking
 
 
-class Plane(Protocol):
+class Configurable(Protocol):
     """A running plane: takes an update, returns the ids of the live connections it closed."""
 
     def configure(self, update: Update) -> list[str]: ...
-
-
-def configure_vetter(vetter: Vetter, update: Update) -> None:
-    """What every plane's Vetter holds of an update (the part the planes share). A decision in
-    flight keeps the policy it started with (proxy/decide/vetting.py)."""
-    if update.policy is not None:
-        vetter.policy = update.policy
-    if update.resolver is not None:
-        vetter.resolver = update.resolver
-    if update.stop_learning:
-        vetter.learn = False
-    if update.stop_asking:
-        vetter.asks = None

@@ -42,6 +42,7 @@ from proxy.decide.events import NO_DETAILS, DecisionEvent, Details
 if TYPE_CHECKING:
     from policy import AddressDecision, Policy
     from proxy.decide.events import AuditSink, MetricsSink
+    from proxy.decide.planes import Update
 
 
 class Answer(typing.Protocol):
@@ -172,6 +173,18 @@ class Vetter:
         self.audit = audit
         self.plane = Plane(plane)
         self._memo = _Memo(policy)
+
+    def configure(self, update: Update) -> None:
+        """What a plane's Vetter holds of a reload (proxy/decide/planes.py). A decision in flight
+        keeps the policy it started with."""
+        if update.policy is not None:
+            self.policy = update.policy
+        if update.resolver is not None:
+            self.resolver = update.resolver
+        if update.stop_learning:
+            self.learn = False
+        if update.stop_asking:
+            self.asks = None
 
     def _memo_of(self, policy: Policy) -> _Memo:
         memo = self._memo

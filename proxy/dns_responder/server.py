@@ -42,7 +42,6 @@ import dns.message
 from policy.reasons import Reason
 from proxy.common.errors import ProxyError
 from proxy.common.listeners import Listener, OwnListeners
-from proxy.decide.planes import configure_vetter
 from proxy.decide.vetting import Peer, next_connection_id
 from proxy.dns_responder.responder import FORMERR, DnsQuery, DnsResponder
 from proxy.dns_responder.tcp_listener import TcpConnection
@@ -152,7 +151,7 @@ class DnsServer:
     def configure(self, update: Update) -> list[str]:
         """A reload, as every plane takes it (proxy/decide/planes.py): later queries are decided
         with what changed. A DNS answer is over once sent: nothing live to close."""
-        configure_vetter(self.responder.vetter, update)
+        self.responder.vetter.configure(update)
         return []
 
     # -- queries -----------------------------------------------------------------------------

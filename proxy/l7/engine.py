@@ -43,7 +43,6 @@ from policy.reasons import Reason
 from proxy.common.errors import ProxyError
 from proxy.common.refusals import Refused
 from proxy.decide.events import CloseEvent
-from proxy.decide.planes import configure_vetter
 from proxy.l7 import patches
 from proxy.l7.addons import STREAM_LARGE_BODIES, Pinning, PreferH2, RequestGate
 from proxy.l7.injector import CredentialInjector
@@ -143,7 +142,7 @@ class Engine:
         the name the connection was decided for, and the URL that opened its WebSocket, decided
         again on their checked addresses. Returns the front door's connection ids of those
         closed."""
-        configure_vetter(self.vetter, update)
+        self.vetter.configure(update)
         self.credentials.configure(update)
         if not update.redecides:
             return []
