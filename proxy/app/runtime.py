@@ -81,7 +81,8 @@ from proxy.decide.asks import AskLimits, Asks
 from proxy.decide.attribution import Attribution
 from proxy.decide.interception import engine_needed
 from proxy.decide.planes import Configurable, Update
-from proxy.decide.vetting import Resolves, Vetter
+from proxy.decide.resolving import Resolves
+from proxy.decide.vetting import Vetter
 from proxy.dns_responder.responder import DnsResponder
 from proxy.dns_responder.server import DnsServer, ServerLimits
 from proxy.net.resolver import Resolver

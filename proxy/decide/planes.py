@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from policy import Policy
     from proxy.common.settings import Config
-    from proxy.decide.vetting import Resolves
+    from proxy.decide.resolving import Resolves
 
 __all__ = ["Configurable", "Update"]
 

@@ -20,7 +20,6 @@ import functools
 import itertools
 import os
 import time
-import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -36,30 +35,14 @@ from proxy.common.listeners import OwnListeners
 from proxy.common.refusals import Refused, authority
 from proxy.decide.asks import OVERLOADED, RELOAD, TIMEOUT, Asks
 from proxy.decide.events import NO_DETAILS, DecisionEvent, Details
+from proxy.decide.planes import Update
+from proxy.decide.resolving import Resolves
 
 # The resolver's reason for NOERROR with no A or AAAA record (proxy/net/resolver.py).
 
 if TYPE_CHECKING:
     from policy import AddressDecision, Policy
     from proxy.decide.events import AuditSink, MetricsSink
-    from proxy.decide.planes import Update
-
-
-class Answer(typing.Protocol):
-    """A checked-for-nothing DNS answer, as the resolver gives it."""
-
-    @property
-    def addresses(self) -> Sequence[str]: ...
-
-    @property
-    def cname_chain(self) -> Sequence[str]: ...
-
-
-class Resolves(typing.Protocol):
-    """What the Vetter needs of the resolver (proxy.net.resolver.Resolver): one answer per
-    name, or ProxyError with a DNS reason code."""
-
-    async def resolve(self, host: str) -> Answer: ...
 
 
 # The refusals of a person's answer (or of its absence): their remedy is the entry asked about.
