@@ -41,6 +41,7 @@ from proxy.dataplane.http_messages import (
 from proxy.dataplane.http_requests import Request
 from proxy.dataplane.http_upstream import Exchange
 from proxy.decide.http_checks import WEBSOCKET
+from proxy.net.idle import IdleTimer
 from proxy.net.relay import Relay
 
 if TYPE_CHECKING:
@@ -87,9 +88,8 @@ class HttpPlane(asyncio.Protocol):
         self.serving: asyncio.Task[None] | None = None
         self.closing = False  # no request after the current one
         self.lingering = False
-        self.last_moved = self.loop.time()
         self.head_timer: asyncio.TimerHandle | None = None
-        self.idle_timer: asyncio.TimerHandle | None = None
+        self.idle = IdleTimer(self.loop, self.door.config.limits.idle_timeout, self._idled)
 
     # -- taking over ---------------------------------------------------------------------------
 
@@ -102,8 +102,7 @@ class HttpPlane(asyncio.Protocol):
             conn.attribution = "host"  # each request names its host
         self.transport.set_protocol(self)
         self.transport.set_write_buffer_limits(high=256 << 10)
-        limit = self.door.config.limits.idle_timeout
-        self.idle_timer = self.loop.call_at(self.last_moved + limit, self._idle_check)
+        self.idle.start()
         data = bytes(conn.buffer)
         conn.buffer.clear()
         self.data_received(data)
@@ -366,7 +365,7 @@ class HttpPlane(asyncio.Protocol):
             self.transport.write(data)
             self.conn.counter.down += len(data)
             self.conn.answered = True
-            self.moved()
+            self.idle.moved()
 
     def switch(self, exchange: Exchange, rest: bytes) -> None:
         """The upstream switched to WebSocket: both transports go to a relay."""
@@ -385,7 +384,7 @@ class HttpPlane(asyncio.Protocol):
     # -- ends ----------------------------------------------------------------------------------
 
     def moved(self) -> None:
-        self.last_moved = self.loop.time()
+        self.idle.moved()
 
     def close(self) -> None:
         self._stop_timers()
@@ -428,23 +427,17 @@ class HttpPlane(asyncio.Protocol):
         refused = Refused(408, Reason.HEADER_TIMEOUT, "no whole request head within the time limit")
         self.refuse_unparsed(refused)
 
-    def _idle_check(self) -> None:
-        limit = self.door.config.limits.idle_timeout
-        deadline = self.last_moved + limit
-        if self.loop.time() < deadline:
-            self.idle_timer = self.loop.call_at(deadline, self._idle_check)
-            return
-        self.idle_timer = None
+    def _idled(self) -> None:
         self.conn.reason = Reason.IDLE_TIMEOUT
         if self.exchange is not None:
             self.exchange.transport.abort()
         self.close()
 
     def _stop_timers(self) -> None:
-        for timer in (self.head_timer, self.idle_timer):
-            if timer is not None:
-                timer.cancel()
-        self.head_timer = self.idle_timer = None
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+            self.head_timer = None
+        self.idle.stop()
 
 
 __all__ = ["WEBSOCKET", "HttpPlane"]

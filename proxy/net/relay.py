@@ -15,7 +15,8 @@ Semantics, the same in both modes:
 - A reset (or any error) on either side ends both; the other side is then reset as well
   (`SO_LINGER` 0), so a peer never mistakes a truncated stream for a complete one.
 - Idle timeout: when no byte has moved either way for `idle_timeout` seconds, both sides are
-  closed (`idle_timeout`). One timer per relay, re-armed only when it fires.
+  closed (`idle_timeout`). One timer per relay, re-armed only when it fires
+  (proxy/net/idle.py).
 - Flow control: when one transport's write buffer is full, the other stops reading until it
   has drained, so a slow reader holds the sender back and the relay holds at most one buffer's
   worth per direction.
@@ -35,6 +36,7 @@ from typing import Any, Final
 
 from policy.reasons import Reason
 from proxy.net.bytecount import Counter
+from proxy.net.idle import IdleTimer
 from proxy.net.splice import LINGER_RESET, SpliceRelay, splice_available
 
 logger = logging.getLogger(__name__)
@@ -58,15 +60,14 @@ class Relay:
     __slots__ = (
         "_down",
         "_ended",
+        "_idle",
         "_on_end",
         "_splice",
         "_splice_after",
-        "_timer",
         "_up",
         "_wants_splice",
         "counter",
         "idle_timeout",
-        "last_moved",
         "loop",
     )
 
@@ -86,13 +87,12 @@ class Relay:
         self.loop = loop
         self.counter = counter
         self.idle_timeout = idle_timeout
-        self.last_moved = loop.time()
+        self._idle = IdleTimer(loop, idle_timeout, self._idled)
         self._on_end = on_end
         self._splice_after = splice_after if splice_available() else None
         self._up = _Side(self, client, is_up=True)  # reads the client, writes the upstream
         self._down = _Side(self, upstream, is_up=False)
         self._up.peer, self._down.peer = self._down, self._up
-        self._timer: asyncio.TimerHandle | None = None
         self._splice: SpliceRelay | None = None
         self._wants_splice = False
         self._ended = False
@@ -117,8 +117,7 @@ class Relay:
             self._up.forward(to_upstream)
         if to_client:
             self._down.forward(to_client)
-        if self.idle_timeout is not None:
-            self._timer = self.loop.call_at(self.last_moved + self.idle_timeout, self._on_timer)
+        self._idle.start()
         for side, ended in ((self._up, client_eof), (self._down, upstream_eof)):
             if ended:
                 side.ended_sending()
@@ -143,26 +142,18 @@ class Relay:
         if self._ended:
             return
         self._ended = True
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._idle.stop()
         for side in (self._up, self._down):
             side.shut(how)
         self._on_end(reason)
 
-    def _on_timer(self) -> None:
-        assert self.idle_timeout is not None
-        deadline = self.last_moved + self.idle_timeout
-        if self.loop.time() < deadline:
-            self._timer = self.loop.call_at(deadline, self._on_timer)
-        else:
-            self._timer = None
-            self._end(Reason.IDLE_TIMEOUT, _DROP)
+    def _idled(self) -> None:
+        self._end(Reason.IDLE_TIMEOUT, _DROP)
 
     # -- events of the sides ---------------------------------------------------------------------
 
     def moved(self) -> None:
-        self.last_moved = self.loop.time()
+        self._idle.moved()
         limit = self._splice_after
         if limit is not None and self.counter.up + self.counter.down >= limit:
             self._wants_splice = True
@@ -213,10 +204,8 @@ class Relay:
             self._up.reattach()
             self._down.reattach()
             return
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        splice.last_moved = self.last_moved
+        self._idle.stop()
+        splice.idle.last_moved = self._idle.last_moved
         self._splice = splice
         for side in (self._up, self._down):
             side.drop_transport()
