@@ -22,7 +22,7 @@ from policy.reasons import Reason
 from proxy.common.errors import ProxyError
 from proxy.common.refusals import Refused, refusal_response, refusal_ssh
 from proxy.decide.asks import CLIENT_GONE
-from proxy.decide.events import CloseEvent
+from proxy.decide.closes import close_line
 from proxy.decide.interception import Destination
 from proxy.decide.vetting import Peer, next_connection_id
 from proxy.net.bytecount import Counter
@@ -360,35 +360,16 @@ class Connection(asyncio.Protocol):
         if self.closed:
             return
         self.closed = True
-        self.door.forget(self)
+        door = self.door
+        door.forget(self)
+        self.count_open()
         counter = self.counter
-        duration = time.monotonic() - self.opened
-        metrics = self.door.metrics
-        if metrics is not None:
-            self.count_open()
-            metrics.connection_closed("l4", counter.up, counter.down, duration)
-        audit = self.door.audit
-        if audit is not None:
-            audit.closed(
-                CloseEvent(
-                    host=self.host,
-                    port=self.port,
-                    plane="l4",
-                    protocol=self.protocol,
-                    client=self.peer.client,
-                    connection=self.peer.connection,
-                    sni=self.sni,
-                    ech=self.ech,
-                    upstream=self.upstream,
-                    bytes_up=counter.up,
-                    bytes_down=counter.down,
-                    duration=duration,
-                    reason=reason,
-                    pinned=self.pinned or None,
-                    attribution=self.attribution,
-                    attributed=self.attributed,
-                )
-            )
+        close_line(
+            door.metrics, door.audit, plane="l4", opened=self.opened, up=counter.up,
+            down=counter.down, reason=reason, peer=self.peer, protocol=self.protocol,
+            host=self.host, port=self.port, sni=self.sni, ech=self.ech, upstream=self.upstream,
+            pinned=self.pinned, attribution=self.attribution, attributed=self.attributed,
+        )  # fmt: skip
 
     # -- the socket itself ------------------------------------------------------------------------
 

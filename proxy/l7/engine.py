@@ -31,7 +31,6 @@ import contextlib
 import logging
 import os
 import socket
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +41,7 @@ from mitmproxy.master import Master
 from policy.reasons import Reason
 from proxy.common.errors import ProxyError
 from proxy.common.refusals import Refused
-from proxy.decide.events import CloseEvent
+from proxy.decide.closes import close_line
 from proxy.decide.vetting import Vetter
 from proxy.l7 import patches
 from proxy.l7.addons import STREAM_LARGE_BODIES, Pinning, PreferH2, RequestGate
@@ -320,28 +319,11 @@ class Engine:
             return
         self._live.discard(connection)
         connection.cancel_head_timer()
-        duration = time.monotonic() - connection.opened
-        counted = connection.counted
-        if self.metrics is not None:
-            self.metrics.connection_closed("l7", counted.up, counted.down, duration)
-        if self.audit is None:
-            return
         destination = connection.destination
-        self.audit.closed(
-            CloseEvent(
-                host=destination.host,
-                port=destination.port,
-                plane="l7",
-                protocol=connection.protocol,
-                client=destination.peer.client,
-                connection=destination.peer.connection,
-                sni=destination.sni,
-                ech=destination.ech,
-                upstream=connection.upstream,
-                bytes_up=counted.up,
-                bytes_down=counted.down,
-                duration=duration,
-                reason=connection.close_reason,
-                pinned=connection.pinned or None,
-            )
-        )
+        close_line(
+            self.metrics, self.audit, plane="l7", opened=connection.opened,
+            up=connection.counted.up, down=connection.counted.down,
+            reason=connection.close_reason, peer=destination.peer, protocol=connection.protocol,
+            host=destination.host, port=destination.port, sni=destination.sni,
+            ech=destination.ech, upstream=connection.upstream, pinned=connection.pinned,
+        )  # fmt: skip
