@@ -26,6 +26,7 @@ from proxy.decide.closes import close_line
 from proxy.decide.interception import Destination
 from proxy.decide.vetting import Peer, next_connection_id
 from proxy.net.bytecount import Counter
+from proxy.net.flow import Hold, Reading
 from proxy.net.pool import Pool
 from proxy.net.relay import Relay
 
@@ -60,6 +61,7 @@ class Connection(asyncio.Protocol):
         self.door = door
         self.listener = listener
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
+        self.reading: Reading = None  # type: ignore[assignment]  # the transport's read side
         self.peer = Peer(None, "")
         self.opened = 0.0
         self.buffer = bytearray()
@@ -96,6 +98,7 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, only alike.
         self.transport = cast(asyncio.Transport, transport)
+        self.reading = Reading(self.transport)
         self.opened = time.monotonic()
         try:
             address = transport.get_extra_info("peername")
@@ -109,7 +112,7 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.buffer += data
         if len(self.buffer) > MAX_PENDING:
-            self.transport.pause_reading()  # whoever reads next decides what too much means
+            self.reading.pause(Hold.PENDING_FULL)  # whoever reads next decides what is too much
         waiter = self.waiter
         if waiter is not None:
             self.waiter = None
@@ -125,6 +128,7 @@ class Connection(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         self.client_eof = True
+        self.reading.end()
         if self.waiter is not None:
             self._wake()
         elif self.task is None or self.task.done():
@@ -187,7 +191,7 @@ class Connection(asyncio.Protocol):
         if self.client_eof or self.gone:
             return False
         size = len(self.buffer)
-        self.transport.resume_reading()
+        self.reading.resume(Hold.PENDING_FULL)  # the reader decides how much is enough
         while len(self.buffer) == size:
             if self.client_eof or self.gone:
                 return False
@@ -381,7 +385,7 @@ class Connection(asyncio.Protocol):
         """The client's socket, duplicated and blocking-free, its transport dropped: for the
         engine, which serves it on a transport of its own. Whatever was read stays in
         `buffer`."""
-        self.transport.pause_reading()
+        self.reading.pause(Hold.HANDOFF)
         fd = os.dup(self.raw_socket().fileno())
         self.handed = True
         self.transport.abort()

@@ -17,6 +17,13 @@ a body still on its way: then it is answered at once and the connection closed, 
 read whole. Bodies stream both ways with flow control. `limits.header_timeout` bounds every
 request head from its first byte; `limits.idle_timeout` a connection on which nothing moves.
 A WebSocket upgrade, once the upstream switched, is relayed as bytes (proxy/net/relay.py).
+
+Flow control: the client is read through the connection's `Reading` (proxy/net/flow.py), each
+pause for its reason, each lifted when that reason is over: PIPELINED while a whole request
+waits behind the one served, BODY_HELD while a request holds more than MAX_HELD of its body
+without an upstream, UPGRADE_HELD for bytes after an upgrade head, UPSTREAM_SLOW while the
+exchange's upstream cannot take more (http_upstream.py); the upstream is not read while the
+client cannot take more (CLIENT_SLOW on the exchange's Reading).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from proxy.dataplane.http_messages import (
 from proxy.dataplane.http_requests import Request
 from proxy.dataplane.http_upstream import Exchange
 from proxy.decide.http_checks import WEBSOCKET
+from proxy.net.flow import Hold
 from proxy.net.idle import IdleTimer
 from proxy.net.relay import Relay
 
@@ -70,6 +78,7 @@ class HttpPlane(asyncio.Protocol):
         self.conn = conn
         self.door = conn.door
         self.transport = conn.transport
+        self.reading = conn.reading
         self.transparent = transparent
         # Inside a tunnel (plain HTTP after a CONNECT or SOCKS5 request): every request's Host
         # must name its host (one of them, for an address DNS answered for several).
@@ -108,7 +117,9 @@ class HttpPlane(asyncio.Protocol):
         self.data_received(data)
         if conn.client_eof:
             self.eof_received()
-        self.transport.resume_reading()
+        # The front door's pending bytes are parsed now; what they hold (a pipelined request,
+        # a body) holds reading for its own reason.
+        self.reading.resume(Hold.PENDING_FULL)
 
     # -- asyncio.Protocol: the client --------------------------------------------------------
 
@@ -119,7 +130,7 @@ class HttpPlane(asyncio.Protocol):
         if self.upgraded is not None:
             self.upgraded += data  # for the WebSocket, once switched
             if len(self.upgraded) > MAX_HELD:
-                self.transport.pause_reading()
+                self.reading.pause(Hold.UPGRADE_HELD)  # until a relay takes them over
             return
         try:
             self.parser.feed_data(data)
@@ -147,6 +158,7 @@ class HttpPlane(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         self.conn.client_eof = True
+        self.reading.end()
         parsing = self.parsing
         if (self.exchange is None and not self.requests) or self.in_head:
             self.close()
@@ -168,11 +180,11 @@ class HttpPlane(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         if self.exchange is not None:
-            self.exchange.transport.pause_reading()  # the client reads slower than it comes
+            self.exchange.reading.pause(Hold.CLIENT_SLOW)  # the client reads slower than it comes
 
     def resume_writing(self) -> None:
         if self.exchange is not None:
-            self.exchange.transport.resume_reading()
+            self.exchange.reading.resume(Hold.CLIENT_SLOW)
 
     # -- httptools callbacks -----------------------------------------------------------------
 
@@ -222,7 +234,7 @@ class HttpPlane(asyncio.Protocol):
         self.parsing = request
         self.requests.append(request)
         if len(self.requests) > 1:
-            self.transport.pause_reading()  # pipelined: one at a time
+            self.reading.pause(Hold.PIPELINED)  # one at a time: the next waits to be served
         if self.serving is None:
             self.serving = self.loop.create_task(self._serve_all())
             self.serving.add_done_callback(self._served)
@@ -236,7 +248,7 @@ class HttpPlane(asyncio.Protocol):
             return
         request.pending += data
         if len(request.pending) > MAX_HELD:
-            self.transport.pause_reading()
+            self.reading.pause(Hold.BODY_HELD)
 
     def on_message_complete(self) -> None:
         request = self.parsing
@@ -261,10 +273,20 @@ class HttpPlane(asyncio.Protocol):
                 if not self.lingering:
                     self.close()
                 return
-            self.transport.resume_reading()
+            if len(self.requests) <= 1:
+                self.reading.resume(Hold.PIPELINED)
+            self.held_less()  # what the request served held went with it
         self.serving = None
         if self.conn.client_eof and not self.conn.gone:
             self.close()  # the client has sent all it will, and has every answer
+
+    def held_less(self) -> None:
+        """A held body went upstream or was dropped: the client is read again once no request
+        waiting for its upstream holds more than MAX_HELD of its body."""
+        if self.reading.holds(Hold.BODY_HELD) and all(
+            len(request.pending) <= MAX_HELD for request in self.requests
+        ):
+            self.reading.resume(Hold.BODY_HELD)
 
     def _served(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -373,7 +395,7 @@ class HttpPlane(asyncio.Protocol):
         conn.protocol = "ws"
         self._stop_timers()
         relay = Relay(
-            self.loop, self.transport, exchange.transport, conn.counter,
+            self.loop, self.reading, exchange.reading, conn.counter,
             self.door.config.limits.idle_timeout, conn.finish,
         )  # fmt: skip
         conn.relay = relay
@@ -418,6 +440,8 @@ class HttpPlane(asyncio.Protocol):
         it reads the answer instead of a reset; then the connection closes."""
         self.lingering = True
         self._stop_timers()
+        # From here what comes is read only to be dropped: nothing holds reading back.
+        self.reading.clear()
         if self.transport.can_write_eof():
             self.transport.write_eof()
         self.loop.call_later(LINGER, self.close)

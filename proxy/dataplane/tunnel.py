@@ -277,8 +277,8 @@ def relay(connection: Connection, dialled: Dialled) -> None:
     limits = connection.door.config.limits
     relayed = Relay(
         asyncio.get_running_loop(),
-        connection.transport,
-        dialled.transport,
+        connection.reading,
+        upstream.reading,
         connection.counter,
         limits.idle_timeout,
         connection.finish,

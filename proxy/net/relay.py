@@ -4,7 +4,7 @@ writes what it receives to the other transport; a tunnel that has moved `splice_
 bulk transfer and moves to `os.splice` (proxy/net/splice.py), where bytes no longer enter user
 space.
 
-    relay = Relay(loop, client_transport, upstream_transport, counter, idle_timeout, on_end)
+    relay = Relay(loop, client_reading, upstream_reading, counter, idle_timeout, on_end)
     relay.start(to_upstream=hello)      # the bytes the caller already read, first
     relay.close("policy_reload")        # from outside: both sides closed, on_end called
 
@@ -19,7 +19,9 @@ Semantics, the same in both modes:
   (proxy/net/idle.py).
 - Flow control: when one transport's write buffer is full, the other stops reading until it
   has drained, so a slow reader holds the sender back and the relay holds at most one buffer's
-  worth per direction.
+  worth per direction. Each transport is paused and resumed through its `Reading`
+  (proxy/net/flow.py), the reason named (CLIENT_SLOW, UPSTREAM_SLOW, HANDOFF); the relay takes
+  the Readings its caller used (or makes them for bare transports) and clears what they held.
 - `on_end(reason)` is called exactly once, after both transports (or sockets) are closed; the
   counter holds the bytes moved, live while the relay runs.
 """
@@ -36,6 +38,7 @@ from typing import Any, Final
 
 from policy.reasons import Reason
 from proxy.net.bytecount import Counter
+from proxy.net.flow import Hold, Reading
 from proxy.net.idle import IdleTimer
 from proxy.net.splice import LINGER_RESET, SpliceRelay, splice_available
 
@@ -74,8 +77,8 @@ class Relay:
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,
-        client: asyncio.Transport,
-        upstream: asyncio.Transport,
+        client: asyncio.Transport | Reading,
+        upstream: asyncio.Transport | Reading,
         counter: Counter,
         idle_timeout: float | None,
         on_end: Callable[[str], None],
@@ -90,8 +93,8 @@ class Relay:
         self._idle = IdleTimer(loop, idle_timeout, self._idled)
         self._on_end = on_end
         self._splice_after = splice_after if splice_available() else None
-        self._up = _Side(self, client, is_up=True)  # reads the client, writes the upstream
-        self._down = _Side(self, upstream, is_up=False)
+        self._up = _Side(self, _reading(client), is_up=True)  # reads the client, writes upstream
+        self._down = _Side(self, _reading(upstream), is_up=False)
         self._up.peer, self._down.peer = self._down, self._up
         self._splice: SpliceRelay | None = None
         self._wants_splice = False
@@ -122,7 +125,7 @@ class Relay:
             if ended:
                 side.ended_sending()
             elif not self._ended:
-                side.transport.resume_reading()  # the caller may have paused it
+                side.reading.clear()  # what the caller held it for is the relay's now
         if not self._ended and self._splice_after == 0:
             self._to_splice()
 
@@ -216,18 +219,24 @@ class Relay:
         self._on_end(reason)
 
 
+def _reading(transport: asyncio.Transport | Reading) -> Reading:
+    return transport if isinstance(transport, Reading) else Reading(transport)
+
+
 class _Side(asyncio.Protocol):
     """One transport of the relay: what it receives is written to the peer's transport."""
 
-    __slots__ = ("detached", "is_up", "paused_peer", "peer", "relay", "sent_eof", "transport")
+    __slots__ = ("detached", "is_up", "peer", "reading", "relay", "sent_eof", "slow", "transport")
 
-    def __init__(self, relay: Relay, transport: asyncio.Transport, *, is_up: bool) -> None:
+    def __init__(self, relay: Relay, reading: Reading, *, is_up: bool) -> None:
         self.relay = relay
-        self.transport = transport
+        self.reading = reading
+        self.transport = reading.transport  # read per chunk: one lookup, not two
         self.is_up = is_up
         self.peer: _Side = self
         self.sent_eof = False  # this side's sender has ended (its EOF passed on to the peer)
-        self.paused_peer = False
+        # Why the peer is not read while this side's transport cannot take more.
+        self.slow = Hold.CLIENT_SLOW if is_up else Hold.UPSTREAM_SLOW
         self.detached = False
 
     def forward(self, data: bytes) -> None:
@@ -254,6 +263,7 @@ class _Side(asyncio.Protocol):
 
     def ended_sending(self) -> None:
         self.sent_eof = True
+        self.reading.end()
         peer = self.peer.transport
         if peer.can_write_eof():
             peer.write_eof()  # after whatever is still buffered for it
@@ -265,16 +275,14 @@ class _Side(asyncio.Protocol):
         self.relay.side_lost(self, exc)
 
     def pause_writing(self) -> None:
-        # This side's transport is full: its peer stops reading until it has drained.
-        if not self.detached and not self.peer.sent_eof:
-            self.peer.transport.pause_reading()
-            self.paused_peer = True
+        # This side's transport is full: its peer stops reading until it has drained (a peer
+        # that has ended is not read anyway: its Reading knows).
+        if not self.detached:
+            self.peer.reading.pause(self.slow)
 
     def resume_writing(self) -> None:
-        if self.paused_peer and not self.detached:
-            self.paused_peer = False
-            if not self.peer.sent_eof:
-                self.peer.transport.resume_reading()
+        if not self.detached:
+            self.peer.reading.resume(self.slow)
         self.relay.drained()
 
     def shut(self, how: str) -> None:
@@ -292,7 +300,7 @@ class _Side(asyncio.Protocol):
         """A duplicate of the transport's socket, non-blocking, with reading paused; None when
         the socket cannot be had (the transport keeps it then)."""
         transport = self.transport
-        transport.pause_reading()
+        self.reading.pause(Hold.HANDOFF)
         raw = transport.get_extra_info("socket")
         try:
             fd = os.dup(raw.fileno())
@@ -303,8 +311,7 @@ class _Side(asyncio.Protocol):
         return sock
 
     def reattach(self) -> None:
-        if not self.sent_eof:
-            self.transport.resume_reading()
+        self.reading.resume(Hold.HANDOFF)
 
     def drop_transport(self) -> None:
         # The splice relay has its own descriptor of the socket: the transport's goes, and its
