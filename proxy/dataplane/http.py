@@ -104,9 +104,7 @@ class HttpPlane(asyncio.Protocol):
 
     def start(self) -> None:
         conn = self.conn
-        conn.cancel_timer()
-        conn.owned = True
-        conn.http = self
+        conn.take_over(self)
         if conn.attribution is None:
             conn.attribution = "host"  # each request names its host
         self.transport.set_protocol(self)
@@ -115,7 +113,7 @@ class HttpPlane(asyncio.Protocol):
         data = bytes(conn.buffer)
         conn.buffer.clear()
         self.data_received(data)
-        if conn.client_eof:
+        if self.reading.ended:
             self.eof_received()
         # The front door's pending bytes are parsed now; what they hold (a pipelined request,
         # a body) holds reading for its own reason.
@@ -157,7 +155,6 @@ class HttpPlane(asyncio.Protocol):
         return last is not None and last.ended and not last.head.keep_alive
 
     def eof_received(self) -> bool:
-        self.conn.client_eof = True
         self.reading.end()
         parsing = self.parsing
         if (self.exchange is None and not self.requests) or self.in_head:
@@ -169,7 +166,7 @@ class HttpPlane(asyncio.Protocol):
         return True
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.conn.gone = True
+        self.conn.lost()
         self._stop_timers()
         if self.serving is not None and not self.serving.done():
             self.serving.cancel()
@@ -263,7 +260,8 @@ class HttpPlane(asyncio.Protocol):
     # -- serving the requests, one at a time ---------------------------------------------------
 
     async def _serve_all(self) -> None:
-        while self.requests and not self.conn.gone:
+        life = self.conn.life
+        while self.requests and not life.lost:
             request = self.requests[0]
             keep = await serve(self, request)
             self.requests.popleft()
@@ -277,7 +275,7 @@ class HttpPlane(asyncio.Protocol):
                 self.reading.resume(Hold.PIPELINED)
             self.held_less()  # what the request served held went with it
         self.serving = None
-        if self.conn.client_eof and not self.conn.gone:
+        if self.reading.ended and not life.lost:
             self.close()  # the client has sent all it will, and has every answer
 
     def held_less(self) -> None:
@@ -383,10 +381,11 @@ class HttpPlane(asyncio.Protocol):
         self.close()
 
     def write(self, data: bytes) -> None:
-        if not self.conn.gone:
+        conn = self.conn
+        if not conn.life.lost:
             self.transport.write(data)
-            self.conn.counter.down += len(data)
-            self.conn.answered = True
+            conn.counter.down += len(data)
+            conn.mark_answered()
             self.idle.moved()
 
     def switch(self, exchange: Exchange, rest: bytes) -> None:
@@ -398,9 +397,9 @@ class HttpPlane(asyncio.Protocol):
             self.loop, self.reading, exchange.reading, conn.counter,
             self.door.config.limits.idle_timeout, conn.finish,
         )  # fmt: skip
-        conn.relay = relay
+        conn.take_over(relay)
         relay.start(
-            to_upstream=bytes(self.upgraded or b""), to_client=rest, client_eof=conn.client_eof
+            to_upstream=bytes(self.upgraded or b""), to_client=rest, client_eof=self.reading.ended
         )
 
     # -- ends ----------------------------------------------------------------------------------
@@ -410,7 +409,7 @@ class HttpPlane(asyncio.Protocol):
 
     def close(self) -> None:
         self._stop_timers()
-        if not self.conn.gone:
+        if not self.conn.life.lost:
             self.transport.close()
 
     def quiesce(self) -> None:
@@ -427,7 +426,7 @@ class HttpPlane(asyncio.Protocol):
         conn = self.conn
         try:
             self.refusal(refused, conn.host, conn.port, "engine", {})
-            if not self.conn.answered:
+            if not conn.life.answered:
                 self.write(refusal_response(refused, conn.host or "proxy", conn.port))
             conn.reason = Reason.INTERNAL_ERROR
         finally:

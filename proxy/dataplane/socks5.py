@@ -292,7 +292,7 @@ class Socks5(Connection):
         if self.buffer:
             self.refuse(_early_bytes(self.buffer), self.host, self.port, stage="request")
             return False
-        self.answered = True
+        self.mark_answered()
         self.transport.write(reply(SUCCEEDED, bound))
         return True
 

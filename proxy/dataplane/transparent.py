@@ -142,6 +142,7 @@ class Transparent(Connection):
             if not names:
                 self.refuse_stream(tunnel.unattributed(self.original, self.port), kind)
                 return
+            self.setting_up()
             try:
                 vetted = await tunnel.vet_by_address(
                     self, names, self.original, self.port, scheme=kind
@@ -174,6 +175,7 @@ class Transparent(Connection):
             return
         self.sni = outcome.sni
         self.attribution = "sni"
+        self.setting_up()
         host = outcome.host
         assert host is not None
         assert self.port is not None
