@@ -14,7 +14,8 @@ from support.running import eventually
 from policy.asking import ALLOW_SESSION, Question
 from proxy.app.ask_token import read_or_create_token
 from proxy.common.errors import ProxyError
-from proxy.decide.asks import AskEvent, AskLimits, Asks
+from proxy.decide import asks as asks_module
+from proxy.decide.asks import HELD_CLIENT, AskEvent, AskLimits, Asks
 from proxy.decide.vetting import Peer
 
 PEER = Peer(("127.0.0.1", 5000), "c-1")
@@ -92,6 +93,52 @@ def test_the_stream_queue_and_an_ask_line() -> None:
     long = AskEvent("asked", "1", Question("a.test", 443, "/" + "x" * 5000, "https"))
     line = json.loads(long.line(session="s", now=0))
     assert line["event"] == "ask" and len(line["path"]) == 2048
+
+
+class Client:
+    """A connection as the asks core sees it (asks.HeldClient): what it was told, in order."""
+
+    def __init__(self, task: asyncio.Future[object] | None = None) -> None:
+        self.told: list[str] = []
+        self.gone = False
+        self.task = task
+
+    def held(self) -> None:
+        self.told.append("held")
+
+    def released(self) -> None:
+        self.told.append("released")
+
+    def abandoned(self) -> bool:
+        self.told.append("abandoned?")
+        if self.gone and self.task is not None:
+            self.task.cancel()  # as the front door ends a connection whose client went away
+        return self.gone
+
+
+def test_a_held_connection_is_told_it_is_held_and_let_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(asks_module, "WATCH_SECONDS", 0.01)
+
+    async def main() -> None:
+        asks = Asks(AskLimits(timeout=5))
+        answered, left = Client(), Client()
+        HELD_CLIENT.set(answered)  # a task copies the context it is created in
+        waiting = asyncio.ensure_future(hold(asks, Question("a.test", 443)))
+        await eventually(lambda: "abandoned?" in answered.told, what="held and watched")
+        asks.answer(asks.pending()[0]["id"], "deny")
+        assert (await waiting)[0] == "deny"
+        assert answered.told[0] == "held" and answered.told[-1] == "released"
+        assert set(answered.told[1:-1]) == {"abandoned?"}
+        HELD_CLIENT.set(left)
+        leaving = asyncio.ensure_future(hold(asks, Question("b.test", 443), "b.test:443"))
+        left.task = leaving
+        await eventually(lambda: "abandoned?" in left.told, what="held and watched")
+        left.gone = True
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        assert left.told[-1] == "released" and asks.held == 0
+
+    asyncio.run(main())
 
 
 def test_token_files(tmp_path: Path) -> None:

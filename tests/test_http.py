@@ -25,6 +25,8 @@ import pytest_asyncio
 from support.dns_server import DNSServer
 from support.in_process import Running, curl, started
 
+from proxy.dataplane.http import MAX_HELD
+
 pytestmark = pytest.mark.integration  # it opens sockets or starts processes
 
 MANIFEST = "network:\n  egress: [up.test]\n"
@@ -105,12 +107,14 @@ def message(first: str, *fields: str, body: bytes = b"") -> bytes:
 class Origin:
     """An HTTP/1.1 server recording each request as the bytes it received (head and framed
     body) and its decoded body. Request i gets answers[i] (the last one repeats); `close`:
-    close after each answer; `silent`: close after a request head without answering. A request
-    with `Expect: 100-continue` gets a `100 Continue` before its body is read."""
+    close after each answer; `silent`: close after a request head without answering; `delay`:
+    seconds before each answer. A request with `Expect: 100-continue` gets a `100 Continue`
+    before its body is read."""
 
     answers: list[bytes] = field(default_factory=lambda: [OK])
     close: bool = False
     silent: bool = False
+    delay: float = 0.0
     port: int = 0
     connections: int = 0
     requests: list[bytes] = field(default_factory=list)
@@ -138,6 +142,8 @@ class Origin:
                     body = raw = await reader.readexactly(int(headers.get("content-length", 0)))
                 self.requests.append(head + raw)
                 self.bodies.append(body)
+                if self.delay:
+                    await asyncio.sleep(self.delay)  # a slow upstream: what the test is about
                 writer.write(self.answers[min(len(self.requests), len(self.answers)) - 1])
                 await writer.drain()
                 if self.close:
@@ -573,3 +579,72 @@ async def test_a_client_that_half_closes_after_its_requests_gets_every_answer(
     assert await closed(reader)
     writer.close()
     assert len(up.requests) == 2
+
+
+# -- 13. flow control -----------------------------------------------------------------------
+
+# What the proxy may hold of request bodies that no upstream takes yet: MAX_HELD, and what the
+# one read that crossed it brought (at most 256 KiB on either loop).
+HELD_AT_MOST = MAX_HELD + (256 << 10)
+
+
+@contextlib.asynccontextmanager
+async def most_held(proxy: Running) -> AsyncIterator[list[int]]:
+    """[the most request body bytes the proxy held for requests not yet sent upstream, looked
+    at every millisecond while the block runs]"""
+    most = [0]
+
+    def held() -> int:
+        planes = [conn.http for conn in proxy.front.door.connections if conn.http is not None]
+        return sum(len(request.pending) for plane in planes for request in plane.requests)
+
+    async def watch() -> None:
+        while True:
+            most[0] = max(most[0], held())
+            await asyncio.sleep(0.001)
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        yield most
+    finally:
+        watcher.cancel()
+
+
+@pytest.mark.asyncio
+async def test_a_large_body_behind_pipelined_requests_waits_within_the_limit(
+    proxy: Running,
+) -> None:
+    # Three slow GETs, a POST whose 4 MiB body is written at once, one more GET: while the GETs
+    # are served the body waits, the proxy reading no more of it than the limit (no request
+    # served lets reading go on while another holds it); then every answer comes, in order.
+    body = os.urandom(4 << 20)
+    async with serving(Origin(delay=0.05)) as up, most_held(proxy) as most:
+        post = to(up, "/post", f"Content-Length: {len(body)}", method="POST", body=body)
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        writer.write(to(up, "/1") + to(up, "/2") + to(up, "/3") + post + to(up, "/4"))
+        answers = [await reply(reader) for _ in range(5)]
+        writer.close()
+    assert [(x.status, x.body) for x in answers] == [(200, b"ok")] * 5
+    assert [head.split(b" ")[1] for head in up.requests] == [b"/1", b"/2", b"/3", b"/post", b"/4"]
+    assert up.bodies[3] == body
+    assert most[0] <= HELD_AT_MOST
+
+
+@pytest.mark.asyncio
+async def test_a_refused_request_whose_body_was_held_is_read_to_its_end_and_closed_cleanly(
+    proxy: Running,
+) -> None:
+    # A PUT whose name DNS never answers, its 8 MiB body written at once: the body is held past
+    # MAX_HELD while the name is looked up, the PUT is refused when the lookup times out, and
+    # the rest of its body is read and dropped while the proxy lingers: the client's writes all
+    # go out, it reads the refusal, then the close (an EOF, never a reset).
+    proxy.dns.blackhole("slow.up.test")
+    body = os.urandom(8 << 20)
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    writer.write(to(80, "/put", f"Content-Length: {len(body)}", method="PUT", host="slow.up.test"))
+    writer.write(body)
+    await asyncio.wait_for(writer.drain(), 5)
+    got = await reply(reader)
+    assert (got.status, got.headers.get("x-egress-error")) == (502, "dns_timeout"), got
+    assert await asyncio.wait_for(reader.read(), 5) == b""
+    writer.close()

@@ -6,6 +6,12 @@ takes its transport over from it.
 
 Every connection gets exactly one close line, whoever ends it: the relay of its tunnel, its own
 refusal, the client going away, or the engine it was handed to (which then writes it itself).
+
+Where a connection is in its life is one explicit state (proxy/dataplane/lifecycle.py), which
+only the connection changes, as planes ask it to: `spawn`, `classifying`, `setting_up`, `held`
+and `released`, `take_over`, `detach_socket`, `mark_answered`, `lost`, `refuse`, `close`,
+`finish`. Its client transport's reading is paused and resumed through one `Reading`
+(proxy/net/flow.py), for named reasons, by whoever holds the transport.
 """
 
 from __future__ import annotations
@@ -24,11 +30,14 @@ from policy.dimensions import Plane, Protocol, Stage
 from policy.reasons import Reason
 from proxy.common.errors import ProxyError
 from proxy.common.refusals import Refused, refusal_response, refusal_ssh
-from proxy.decide.asks import CLIENT_GONE
-from proxy.decide.events import NO_DETAILS, CloseEvent, Details
+from proxy.dataplane.lifecycle import OWNED, SETTING_UP, Lifecycle, Mark, Phase
+from proxy.decide.asks import HELD_CLIENT
+from proxy.decide.closes import close_line
+from proxy.decide.events import NO_DETAILS, Details
 from proxy.decide.interception import Destination
 from proxy.decide.vetting import Peer, next_connection_id
 from proxy.net.bytecount import Counter
+from proxy.net.flow import Hold, Reading
 from proxy.net.pool import Pool
 from proxy.net.relay import Relay
 
@@ -63,16 +72,12 @@ class Connection(asyncio.Protocol):
         self.door = door
         self.listener = listener
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
+        self.reading: Reading = None  # type: ignore[assignment]  # the transport's read side
+        self.life = Lifecycle()
         self.peer = Peer(None, "")
         self.opened = 0.0
         self.buffer = bytearray()
         self.waiter: asyncio.Future[None] | None = None
-        self.client_eof = False
-        self.gone = False  # the client's transport is closed
-        self.answered = False  # a status line or reply went out: nothing more may be answered
-        self.closed = False  # its close line is written
-        self.handed = False  # the engine's now, close line and all
-        self.owned = False  # a relay or an exchange owns the transport now
         self.reason: str = Reason.CLIENT_CLOSED  # for a close line nobody else wrote
         self.task: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -87,7 +92,6 @@ class Connection(asyncio.Protocol):
         self.relay: Relay | None = None
         self.vetted: Vetted | None = None  # what vetting found, once it has run
         self.counter = Counter()
-        self.counted = False  # connection_opened went to the metrics
         self.http: Quiesces | None = None  # the HTTP plane, once the bytes were plain HTTP
         # How `host` was known (events.ATTRIBUTIONS), and every name DNS answered its address
         # for when that was several.
@@ -99,6 +103,7 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, only alike.
         self.transport = cast(asyncio.Transport, transport)
+        self.reading = Reading(self.transport)
         self.opened = time.monotonic()
         try:
             address = transport.get_extra_info("peername")
@@ -112,7 +117,7 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.buffer += data
         if len(self.buffer) > MAX_PENDING:
-            self.transport.pause_reading()  # whoever reads next decides what too much means
+            self.reading.pause(Hold.PENDING_FULL)  # whoever reads next decides what is too much
         waiter = self.waiter
         if waiter is not None:
             self.waiter = None
@@ -127,7 +132,7 @@ class Connection(asyncio.Protocol):
             self.failed(exc)
 
     def eof_received(self) -> bool:
-        self.client_eof = True
+        self.reading.end()
         if self.waiter is not None:
             self._wake()
         elif self.task is None or self.task.done():
@@ -136,10 +141,10 @@ class Connection(asyncio.Protocol):
         return True  # half-open: a tunnel setup still running decides what the EOF means
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.gone = True
+        self.lost()
         self._wake()
         self.cancel_timer()
-        if self.owned or self.handed:
+        if self.life.phase in OWNED or self.life.phase is Phase.CLOSED:
             return
         if self.task is not None and not self.task.done():
             self.task.cancel()  # its setup cannot go on without the client
@@ -159,24 +164,68 @@ class Connection(asyncio.Protocol):
     def spawn(self, work: Any) -> None:
         """Runs the coroutine `work` as this connection's setup task; a failure in it is a
         denial (fail closed), never a crash."""
-        # The task learns how to tell that its client has gone while it waits for a person
-        # (proxy/decide/asks.py); a task copies the context it is created in.
-        token = CLIENT_GONE.set(self.abandoned)
+        self.life.to(Phase.SETUP)
+        # The task tells this connection when it waits for a person, and learns from it whether
+        # its client has gone meanwhile (proxy/decide/asks.py); a task copies the context it is
+        # created in.
+        token = HELD_CLIENT.set(self)
         try:
             self.task = asyncio.get_running_loop().create_task(work)
         finally:
-            CLIENT_GONE.reset(token)
+            HELD_CLIENT.reset(token)
         self.task.add_done_callback(self._task_done)
+
+    # -- the phases of the setup task (proxy/dataplane/lifecycle.py) ---------------------------
+
+    def classifying(self) -> None:
+        """The setup task reads what the client sends first."""
+        self.life.to(Phase.CLASSIFYING)
+
+    def setting_up(self) -> None:
+        """The setup task vets or dials (again, after the client's first bytes)."""
+        if self.life.phase is not Phase.SETUP:
+            self.life.to(Phase.SETUP)
+
+    def held(self) -> None:
+        """The setup task waits for a person's answer (asks.HeldClient). A request of the HTTP
+        plane inherits the task's context, and may be held too: its connection stays SERVED."""
+        if self.life.phase is Phase.SETUP:
+            self.life.to(Phase.HELD)
+
+    def released(self) -> None:
+        """The wait for a person is over (answered, timed out, or the client went away)."""
+        if self.life.phase is Phase.HELD:
+            self.life.to(Phase.SETUP)
 
     def abandoned(self) -> bool:
         """While its setup waits for a person's answer: whether the client went away (closed,
         reset, or ended its side, which no client waiting for a CONNECT or SOCKS5 reply does).
         Such a connection is ended here, which cancels the waiting task."""
-        if not (self.gone or self.client_eof):
+        lost = self.life.lost
+        if not (lost or self.reading.ended):
             return False
-        if not self.gone:
+        if not lost:
             self.transport.abort()
         return True
+
+    def take_over(self, owner: Relay | Quiesces) -> None:
+        """`owner` has the client transport from now on: a relay (both transports; its end
+        writes the close line) or the HTTP plane."""
+        self.cancel_timer()
+        if isinstance(owner, Relay):
+            self.life.to(Phase.RELAYED)
+            self.relay = owner
+        else:
+            self.life.to(Phase.SERVED)
+            self.http = owner
+
+    def mark_answered(self) -> None:
+        """Something went to the client in answer: its listener's protocol gets no other."""
+        self.life.mark(Mark.ANSWERED)
+
+    def lost(self) -> None:
+        """The client's transport is closed (whichever protocol it had then)."""
+        self.life.mark(Mark.LOST)
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():
@@ -187,12 +236,13 @@ class Connection(asyncio.Protocol):
 
     async def more(self) -> bool:
         """Waits for more bytes in `buffer`; False when the client ended or went away first."""
-        if self.client_eof or self.gone:
+        reading, life = self.reading, self.life
+        if reading.ended or life.lost:
             return False
         size = len(self.buffer)
-        self.transport.resume_reading()
+        reading.resume(Hold.PENDING_FULL)  # the reader decides how much is enough
         while len(self.buffer) == size:
-            if self.client_eof or self.gone:
+            if reading.ended or life.lost:
                 return False
             self.waiter = asyncio.get_running_loop().create_future()
             await self.waiter
@@ -218,7 +268,7 @@ class Connection(asyncio.Protocol):
 
     def _timed_out(self, refused: Refused | None) -> None:
         self._timer = None
-        if self.owned or self.handed or self.closed:
+        if self.life.phase not in SETTING_UP:
             return
         if self.task is not None and not self.task.done():
             self.task.cancel()
@@ -251,8 +301,12 @@ class Connection(asyncio.Protocol):
             self.door.vetter.refusal(
                 refused, self.peer, host, port, self.protocol, stage=stage, details=details
             )
-        if not self.answered and not self.gone:
-            self.answered = True
+        life = self.life
+        if life.phase is Phase.CLOSED:
+            return  # the client went first: its close line is written, its reason with it
+        life.to(Phase.REFUSED)
+        if not life.answered and not life.lost:
+            life.mark(Mark.ANSWERED)
             self.answer_refusal(refused, host, port)
         self.reason = refused.reason
         self.close()
@@ -277,7 +331,11 @@ class Connection(asyncio.Protocol):
             )  # fmt: skip
         self.reason = refused.reason
         self.cancel_timer()
-        if self.gone:
+        life = self.life
+        if life.phase is Phase.CLOSED:
+            return
+        life.to(Phase.REFUSED)
+        if life.lost:
             return
         if kind == "ssh":
             self.transport.write(refusal_ssh(refused, host, port))
@@ -302,9 +360,12 @@ class Connection(asyncio.Protocol):
 
     def close(self) -> None:
         """Closes the client (what is buffered for it is written first); the close line follows
-        from connection_lost."""
+        from connection_lost, or from the owner that has the transport by then."""
         self.cancel_timer()
-        if not self.gone:
+        life = self.life
+        if life.phase in SETTING_UP:
+            life.to(Phase.CLOSING)
+        if not life.lost:
             self.transport.close()
 
     def failed(self, exc: BaseException) -> None:
@@ -317,7 +378,7 @@ class Connection(asyncio.Protocol):
         logger.error("egress: the front door failed on a connection", exc_info=exc)
         refused = Refused(403, Reason.INTERNAL_ERROR, f"internal error: {type(exc).__name__}")
         try:
-            if self.owned or self.handed:
+            if self.life.phase in OWNED or self.life.phase is Phase.CLOSED:
                 vetter = self.door.vetter
                 vetter.refusal(refused, self.peer, None, None, self.protocol, stage=Stage.ENGINE)
                 return
@@ -325,15 +386,15 @@ class Connection(asyncio.Protocol):
         except Exception:
             # Even the refusal failed: the connection goes, unanswered.
             logger.exception("egress: refusing a failed connection failed too")
-            if not self.gone:
+            if not self.life.lost:
                 self.transport.abort()
 
     def count_open(self) -> None:
         """The connection in the metrics, under the protocol it turned out to speak: a tunnel
         counts when it starts, anything else when it closes (a connection handed to the engine
         is the engine's to count)."""
-        if not self.counted and self.door.metrics is not None:
-            self.counted = True
+        if not self.life.has(Mark.COUNTED) and self.door.metrics is not None:
+            self.life.mark(Mark.COUNTED)
             self.door.metrics.connection_opened(Plane.L4, self.protocol)
 
     def still_allowed(self) -> bool:
@@ -358,44 +419,25 @@ class Connection(asyncio.Protocol):
         if self.task is not None and not self.task.done():
             self.task.cancel()
         self.cancel_timer()
-        if not self.gone:
+        if not self.life.lost:
             self.transport.abort()
 
     def finish(self, reason: str) -> None:
         """The close line (and the metrics of the close), once per connection, with what is
         known of its destination by then."""
-        if self.closed:
+        if self.life.phase is Phase.CLOSED:
             return
-        self.closed = True
-        self.door.forget(self)
+        self.life.to(Phase.CLOSED)
+        door = self.door
+        door.forget(self)
+        self.count_open()
         counter = self.counter
-        duration = time.monotonic() - self.opened
-        metrics = self.door.metrics
-        if metrics is not None:
-            self.count_open()
-            metrics.connection_closed(Plane.L4, counter.up, counter.down, duration)
-        audit = self.door.audit
-        if audit is not None:
-            audit.closed(
-                CloseEvent(
-                    host=self.host,
-                    port=self.port,
-                    plane=Plane.L4,
-                    protocol=self.protocol,
-                    client=self.peer.client,
-                    connection=self.peer.connection,
-                    sni=self.sni,
-                    ech=self.ech,
-                    upstream=self.upstream,
-                    bytes_up=counter.up,
-                    bytes_down=counter.down,
-                    duration=duration,
-                    reason=reason,
-                    pinned=self.pinned or None,
-                    attribution=self.attribution,
-                    attributed=self.attributed,
-                )
-            )
+        close_line(
+            door.metrics, door.audit, plane=Plane.L4, opened=self.opened, up=counter.up,
+            down=counter.down, reason=reason, peer=self.peer, protocol=self.protocol,
+            host=self.host, port=self.port, sni=self.sni, ech=self.ech, upstream=self.upstream,
+            pinned=self.pinned, attribution=self.attribution, attributed=self.attributed,
+        )  # fmt: skip
 
     # -- the socket itself ------------------------------------------------------------------------
 
@@ -407,9 +449,9 @@ class Connection(asyncio.Protocol):
         """The client's socket, duplicated and blocking-free, its transport dropped: for the
         engine, which serves it on a transport of its own. Whatever was read stays in
         `buffer`."""
-        self.transport.pause_reading()
+        self.reading.pause(Hold.HANDOFF)
         fd = os.dup(self.raw_socket().fileno())
-        self.handed = True
+        self.life.to(Phase.HANDED)
         self.transport.abort()
         sock = socket.socket(fileno=fd)
         sock.setblocking(False)

@@ -55,6 +55,6 @@ class Explicit(Connection):
         )
 
     def answer_success(self, bound: tuple[str, int] | None) -> bool:
-        self.answered = True
+        self.mark_answered()
         self.transport.write(ESTABLISHED)
         return True

@@ -17,6 +17,13 @@ a body still on its way: then it is answered at once and the connection closed, 
 read whole. Bodies stream both ways with flow control. `limits.header_timeout` bounds every
 request head from its first byte; `limits.idle_timeout` a connection on which nothing moves.
 A WebSocket upgrade, once the upstream switched, is relayed as bytes (proxy/net/relay.py).
+
+Flow control: the client is read through the connection's `Reading` (proxy/net/flow.py), each
+pause for its reason, each lifted when that reason is over: PIPELINED while a whole request
+waits behind the one served, BODY_HELD while a request holds more than MAX_HELD of its body
+without an upstream, UPGRADE_HELD for bytes after an upgrade head, UPSTREAM_SLOW while the
+exchange's upstream cannot take more (http_upstream.py); the upstream is not read while the
+client cannot take more (CLIENT_SLOW on the exchange's Reading).
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ from proxy.dataplane.http_requests import Request
 from proxy.dataplane.http_upstream import Exchange
 from proxy.decide.events import NO_DETAILS, Details
 from proxy.decide.http_checks import WEBSOCKET
+from proxy.net.flow import Hold
+from proxy.net.idle import IdleTimer
 from proxy.net.relay import Relay
 
 if TYPE_CHECKING:
@@ -71,6 +80,7 @@ class HttpPlane(asyncio.Protocol):
         self.conn = conn
         self.door = conn.door
         self.transport = conn.transport
+        self.reading = conn.reading
         self.transparent = transparent
         # Inside a tunnel (plain HTTP after a CONNECT or SOCKS5 request): every request's Host
         # must name its host (one of them, for an address DNS answered for several).
@@ -89,29 +99,27 @@ class HttpPlane(asyncio.Protocol):
         self.serving: asyncio.Task[None] | None = None
         self.closing = False  # no request after the current one
         self.lingering = False
-        self.last_moved = self.loop.time()
         self.head_timer: asyncio.TimerHandle | None = None
-        self.idle_timer: asyncio.TimerHandle | None = None
+        self.idle = IdleTimer(self.loop, self.door.config.limits.idle_timeout, self._idled)
 
     # -- taking over ---------------------------------------------------------------------------
 
     def start(self) -> None:
         conn = self.conn
-        conn.cancel_timer()
-        conn.owned = True
-        conn.http = self
+        conn.take_over(self)
         if conn.attribution is None:
             conn.attribution = "host"  # each request names its host
         self.transport.set_protocol(self)
         self.transport.set_write_buffer_limits(high=256 << 10)
-        limit = self.door.config.limits.idle_timeout
-        self.idle_timer = self.loop.call_at(self.last_moved + limit, self._idle_check)
+        self.idle.start()
         data = bytes(conn.buffer)
         conn.buffer.clear()
         self.data_received(data)
-        if conn.client_eof:
+        if self.reading.ended:
             self.eof_received()
-        self.transport.resume_reading()
+        # The front door's pending bytes are parsed now; what they hold (a pipelined request,
+        # a body) holds reading for its own reason.
+        self.reading.resume(Hold.PENDING_FULL)
 
     # -- asyncio.Protocol: the client --------------------------------------------------------
 
@@ -122,7 +130,7 @@ class HttpPlane(asyncio.Protocol):
         if self.upgraded is not None:
             self.upgraded += data  # for the WebSocket, once switched
             if len(self.upgraded) > MAX_HELD:
-                self.transport.pause_reading()
+                self.reading.pause(Hold.UPGRADE_HELD)  # until a relay takes them over
             return
         try:
             self.parser.feed_data(data)
@@ -149,7 +157,7 @@ class HttpPlane(asyncio.Protocol):
         return last is not None and last.ended and not last.head.keep_alive
 
     def eof_received(self) -> bool:
-        self.conn.client_eof = True
+        self.reading.end()
         parsing = self.parsing
         if (self.exchange is None and not self.requests) or self.in_head:
             self.close()
@@ -160,7 +168,7 @@ class HttpPlane(asyncio.Protocol):
         return True
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.conn.gone = True
+        self.conn.lost()
         self._stop_timers()
         if self.serving is not None and not self.serving.done():
             self.serving.cancel()
@@ -171,11 +179,11 @@ class HttpPlane(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         if self.exchange is not None:
-            self.exchange.transport.pause_reading()  # the client reads slower than it comes
+            self.exchange.reading.pause(Hold.CLIENT_SLOW)  # the client reads slower than it comes
 
     def resume_writing(self) -> None:
         if self.exchange is not None:
-            self.exchange.transport.resume_reading()
+            self.exchange.reading.resume(Hold.CLIENT_SLOW)
 
     # -- httptools callbacks -----------------------------------------------------------------
 
@@ -225,7 +233,7 @@ class HttpPlane(asyncio.Protocol):
         self.parsing = request
         self.requests.append(request)
         if len(self.requests) > 1:
-            self.transport.pause_reading()  # pipelined: one at a time
+            self.reading.pause(Hold.PIPELINED)  # one at a time: the next waits to be served
         if self.serving is None:
             self.serving = self.loop.create_task(self._serve_all())
             self.serving.add_done_callback(self._served)
@@ -239,7 +247,7 @@ class HttpPlane(asyncio.Protocol):
             return
         request.pending += data
         if len(request.pending) > MAX_HELD:
-            self.transport.pause_reading()
+            self.reading.pause(Hold.BODY_HELD)
 
     def on_message_complete(self) -> None:
         request = self.parsing
@@ -254,7 +262,8 @@ class HttpPlane(asyncio.Protocol):
     # -- serving the requests, one at a time ---------------------------------------------------
 
     async def _serve_all(self) -> None:
-        while self.requests and not self.conn.gone:
+        life = self.conn.life
+        while self.requests and not life.lost:
             request = self.requests[0]
             keep = await serve(self, request)
             self.requests.popleft()
@@ -264,10 +273,20 @@ class HttpPlane(asyncio.Protocol):
                 if not self.lingering:
                     self.close()
                 return
-            self.transport.resume_reading()
+            if len(self.requests) <= 1:
+                self.reading.resume(Hold.PIPELINED)
+            self.held_less()  # what the request served held went with it
         self.serving = None
-        if self.conn.client_eof and not self.conn.gone:
+        if self.reading.ended and not life.lost:
             self.close()  # the client has sent all it will, and has every answer
+
+    def held_less(self) -> None:
+        """A held body went upstream or was dropped: the client is read again once no request
+        waiting for its upstream holds more than MAX_HELD of its body."""
+        if self.reading.holds(Hold.BODY_HELD) and all(
+            len(request.pending) <= MAX_HELD for request in self.requests
+        ):
+            self.reading.resume(Hold.BODY_HELD)
 
     def _served(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -362,11 +381,12 @@ class HttpPlane(asyncio.Protocol):
         self.close()
 
     def write(self, data: bytes) -> None:
-        if not self.conn.gone:
+        conn = self.conn
+        if not conn.life.lost:
             self.transport.write(data)
-            self.conn.counter.down += len(data)
-            self.conn.answered = True
-            self.moved()
+            conn.counter.down += len(data)
+            conn.mark_answered()
+            self.idle.moved()
 
     def switch(self, exchange: Exchange, rest: bytes) -> None:
         """The upstream switched to WebSocket: both transports go to a relay."""
@@ -374,22 +394,22 @@ class HttpPlane(asyncio.Protocol):
         conn.protocol = Protocol.WS
         self._stop_timers()
         relay = Relay(
-            self.loop, self.transport, exchange.transport, conn.counter,
+            self.loop, self.reading, exchange.reading, conn.counter,
             self.door.config.limits.idle_timeout, conn.finish,
         )  # fmt: skip
-        conn.relay = relay
+        conn.take_over(relay)
         relay.start(
-            to_upstream=bytes(self.upgraded or b""), to_client=rest, client_eof=conn.client_eof
+            to_upstream=bytes(self.upgraded or b""), to_client=rest, client_eof=self.reading.ended
         )
 
     # -- ends ----------------------------------------------------------------------------------
 
     def moved(self) -> None:
-        self.last_moved = self.loop.time()
+        self.idle.moved()
 
     def close(self) -> None:
         self._stop_timers()
-        if not self.conn.gone:
+        if not self.conn.life.lost:
             self.transport.close()
 
     def quiesce(self) -> None:
@@ -406,7 +426,7 @@ class HttpPlane(asyncio.Protocol):
         conn = self.conn
         try:
             self.refusal(refused, conn.host, conn.port, Stage.ENGINE, NO_DETAILS)
-            if not self.conn.answered:
+            if not conn.life.answered:
                 self.write(refusal_response(refused, conn.host or "proxy", conn.port))
             conn.reason = Reason.INTERNAL_ERROR
         finally:
@@ -419,6 +439,8 @@ class HttpPlane(asyncio.Protocol):
         it reads the answer instead of a reset; then the connection closes."""
         self.lingering = True
         self._stop_timers()
+        # From here what comes is read only to be dropped: nothing holds reading back.
+        self.reading.clear()
         if self.transport.can_write_eof():
             self.transport.write_eof()
         self.loop.call_later(LINGER, self.close)
@@ -428,23 +450,17 @@ class HttpPlane(asyncio.Protocol):
         refused = Refused(408, Reason.HEADER_TIMEOUT, "no whole request head within the time limit")
         self.refuse_unparsed(refused)
 
-    def _idle_check(self) -> None:
-        limit = self.door.config.limits.idle_timeout
-        deadline = self.last_moved + limit
-        if self.loop.time() < deadline:
-            self.idle_timer = self.loop.call_at(deadline, self._idle_check)
-            return
-        self.idle_timer = None
+    def _idled(self) -> None:
         self.conn.reason = Reason.IDLE_TIMEOUT
         if self.exchange is not None:
             self.exchange.transport.abort()
         self.close()
 
     def _stop_timers(self) -> None:
-        for timer in (self.head_timer, self.idle_timer):
-            if timer is not None:
-                timer.cancel()
-        self.head_timer = self.idle_timer = None
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+            self.head_timer = None
+        self.idle.stop()
 
 
 __all__ = ["WEBSOCKET", "HttpPlane"]

@@ -23,6 +23,7 @@ from proxy.dataplane.http_upstream import FAILED, REUSABLE, STALE, SWITCHED, Cli
 from proxy.decide.events import Details
 from proxy.decide.injection import counted, inject
 from proxy.net.dialing import UpstreamError, connect_upstream, dial_checked
+from proxy.net.flow import Hold
 
 if TYPE_CHECKING:
     from proxy.dataplane.connection import Connection, Door
@@ -109,7 +110,7 @@ async def serve(plane: Plane, request: Request) -> bool:
         return False
     if outcome == REUSABLE:
         address = exchange.transport.get_extra_info("peername")[0]
-        plane.door.http_pool().put(name, port, address, exchange.transport)
+        plane.door.http_pool().put(name, port, address, exchange.reading)
     else:
         exchange.transport.close()
     # A body still arriving goes to the finished exchange, which drops it; the next request
@@ -134,9 +135,9 @@ async def _connect(
     if not fresh and not request.has_body and request.head.method in _RETRIABLE:
         taken = door.http_pool().take(name, port, pinned)
         if taken is not None:
-            transport, address = taken
+            reading, address = taken
             conn.upstream = authority(address, port)
-            return Exchange(plane, request, transport, reused=True)
+            return Exchange(plane, request, reading, reused=True)
     try:
         transport, upstream = await dial_checked(
             name, pinned, port, connect_upstream,
@@ -147,7 +148,7 @@ async def _connect(
         raise plane.refusal(refused, name, port, Stage.UPSTREAM, details) from None
     address = transport.get_extra_info("peername")
     conn.upstream = authority(address[0], address[1])
-    exchange = Exchange(plane, request, transport, reused=False)
+    exchange = Exchange(plane, request, upstream.reading, reused=False)
     early = upstream.take_early()
     if upstream.lost or upstream.eof or early:
         transport.abort()
@@ -166,6 +167,10 @@ async def _exchange(plane: Plane, exchange: Exchange) -> str:
     plane.exchange = exchange
     try:
         exchange.send()
-        return await exchange.done
+        outcome = await exchange.done
     finally:
         plane.exchange = None
+    if outcome != SWITCHED:  # a relay has the client now, and its own reasons
+        # Its upstream takes no more of the client's bytes: its full buffer holds none back.
+        plane.reading.resume(Hold.UPSTREAM_SLOW)
+    return outcome

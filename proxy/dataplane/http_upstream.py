@@ -2,7 +2,7 @@
 request goes out and its response comes back, parsed by httptools and passed to the client with
 our own framing as it arrives (never held whole).
 
-    exchange = Exchange(plane, request, transport, reused=False)
+    exchange = Exchange(plane, request, reading, reused=False)  # reading: the upstream's
     exchange.send()                    # the head, the body so far, the rest as it arrives
     outcome = await exchange.done      # REUSABLE, SPENT, STALE, SWITCHED or FAILED
 
@@ -10,6 +10,10 @@ Response framing to the client (RFC 9112 6): a Content-Length body passes as it 
 is re-chunked for an HTTP/1.1 client and sent until close to an HTTP/1.0 one; a body that ends
 with the connection ends the client's too. A 101 is taken only for the WebSocket the request
 asked for; any other switch, a malformed response or one larger than MAX_HEAD fails the request.
+
+Flow control, each for its reason (proxy/net/flow.py): while the upstream cannot take the body
+as fast as it comes, the client is not read (UPSTREAM_SLOW on the client's Reading); while the
+client cannot take the response, the upstream is not (CLIENT_SLOW, set by the plane).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from proxy.dataplane.http_messages import (
     response_head,
 )
 from proxy.decide.http_checks import WEBSOCKET, upgrade_tokens
+from proxy.net.flow import Hold, Reading
 
 if TYPE_CHECKING:
     from proxy.dataplane.connection import Connection
@@ -45,11 +50,14 @@ class Client(Protocol):
 
     conn: Connection
     transport: asyncio.Transport
+    reading: Reading  # the client's
     closing: bool
 
     def write(self, data: bytes) -> None: ...
 
     def moved(self) -> None: ...
+
+    def held_less(self) -> None: ...
 
     def closes_after(self, request: Request) -> bool: ...
 
@@ -73,12 +81,11 @@ _NO_BODY: Final = frozenset({204, 304})
 class Exchange(asyncio.Protocol):
     """See the module docstring."""
 
-    def __init__(
-        self, plane: Client, request: Request, transport: asyncio.Transport, *, reused: bool
-    ) -> None:
+    def __init__(self, plane: Client, request: Request, reading: Reading, *, reused: bool) -> None:
         self.plane = plane
         self.request = request
-        self.transport = transport
+        self.reading = reading  # the upstream transport's read side
+        self.transport = reading.transport
         self.reused = reused
         self.parser = httptools.HttpResponseParser(self)
         self.done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
@@ -106,13 +113,13 @@ class Exchange(asyncio.Protocol):
         if request.pending:
             self.body(bytes(request.pending))
             request.pending.clear()
-            # The client may have been paused for holding too much: from here its body goes
-            # straight on, held back only by this transport's flow control.
-            self.plane.transport.resume_reading()
+            # From here its body goes straight on, held back only by this transport's flow
+            # control: the client is read again unless something else holds it.
+            self.plane.held_less()
         request.sink = self
         if request.ended:
             self.body_end()
-        self.transport.resume_reading()
+        self.reading.clear()  # the exchange holds the upstream now, and reads it
 
     def write(self, data: bytes) -> None:
         self.transport.write(data)
@@ -168,10 +175,11 @@ class Exchange(asyncio.Protocol):
         self._ended(exc)
 
     def pause_writing(self) -> None:
-        self.plane.transport.pause_reading()  # the upstream reads the body slower than it comes
+        # The upstream reads the body slower than it comes.
+        self.plane.reading.pause(Hold.UPSTREAM_SLOW)
 
     def resume_writing(self) -> None:
-        self.plane.transport.resume_reading()
+        self.plane.reading.resume(Hold.UPSTREAM_SLOW)
 
     def _ended(self, exc: Exception | None) -> None:
         if self.done.done():

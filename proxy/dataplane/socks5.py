@@ -298,7 +298,7 @@ class Socks5(Connection):
         if self.buffer:
             self.refuse(_early_bytes(self.buffer), self.host, self.port, stage=Stage.REQUEST)
             return False
-        self.answered = True
+        self.mark_answered()
         self.transport.write(reply(SUCCEEDED, bound))
         return True
 

@@ -64,6 +64,7 @@ async def first_flight(connection: Connection, *, patient: bool) -> FirstFlight 
     when none came in time, or None when the client ended first with nothing sent. The header
     timeout bounds the wait; `patient` (the upstream may speak first, and was let to): once it
     has spoken, the client may well be waiting for more of it, and the idle timeout does."""
+    connection.classifying()
     limits = connection.door.config.limits
     kind = classify(connection.buffer)
     timeout = limits.header_timeout
@@ -196,6 +197,7 @@ async def _late_dial(
 ) -> Dialled | None:
     """The dial of a tunnel whose first bytes came before anything was dialled; None when it
     failed (refused in the stream's terms, its line written)."""
+    connection.setting_up()
     try:
         return await dial_vetted(connection, vetted, port)
     except Refused as refused:

@@ -144,6 +144,7 @@ class Transparent(Connection):
             if not names:
                 self.refuse_stream(tunnel.unattributed(self.original, self.port), kind)
                 return
+            self.setting_up()
             try:
                 vetted = await tunnel.vet_by_address(
                     self, names, self.original, self.port, scheme=kind
@@ -176,6 +177,7 @@ class Transparent(Connection):
             return
         self.sni = outcome.sni
         self.attribution = "sni"
+        self.setting_up()
         host = outcome.host
         assert host is not None
         assert self.port is not None

@@ -262,11 +262,9 @@ async def whole_hello(
 def relay(connection: Connection, dialled: Dialled) -> None:
     """Hands both transports to a relay, starting with what the client sent so far (the
     ClientHello the gate passed); the relay's end writes the connection's close line."""
-    connection.cancel_timer()
     connection.count_open()
     upstream = dialled.upstream
     early = upstream.take_early()
-    connection.owned = True
     if upstream.lost:
         # The upstream was gone before the relay could start: what it sent is passed on,
         # and the client is closed the way the upstream closed.
@@ -274,24 +272,24 @@ def relay(connection: Connection, dialled: Dialled) -> None:
             connection.transport.write(early)
             connection.counter.down += len(early)
         connection.reason = Reason.RESET if upstream.lost_error is not None else Reason.CLOSED
-        connection.transport.close()
+        connection.close()
         connection.finish(connection.reason)
         return
     limits = connection.door.config.limits
     relayed = Relay(
         asyncio.get_running_loop(),
-        connection.transport,
-        dialled.transport,
+        connection.reading,
+        upstream.reading,
         connection.counter,
         limits.idle_timeout,
         connection.finish,
     )
-    connection.relay = relayed
+    connection.take_over(relayed)
     data = bytes(connection.buffer)
     connection.buffer.clear()
     relayed.start(
         to_upstream=data,
         to_client=early,
-        client_eof=connection.client_eof,
+        client_eof=connection.reading.ended,
         upstream_eof=upstream.eof,
     )

@@ -48,7 +48,21 @@ class Peer(typing.Protocol):
     def connection(self) -> str: ...
 
 
-__all__ = ["CLIENT_GONE", "AskEvent", "AskLimits", "Asks", "Pending"]
+class HeldClient(typing.Protocol):
+    """The connection whose task waits here, as a plane gives it (proxy/dataplane/connection.py
+    Connection): told when it is held and let go, and asked whether its client has gone."""
+
+    def held(self) -> None: ...
+
+    def released(self) -> None: ...
+
+    def abandoned(self) -> bool:
+        """Whether the client went away while held; True ends its connection, which cancels
+        the waiting task."""
+        ...
+
+
+__all__ = ["HELD_CLIENT", "AskEvent", "AskLimits", "Asks", "HeldClient", "Pending"]
 
 # What `hold` answers besides a person's answer (policy/asking.py ANSWERS).
 TIMEOUT = "timeout"
@@ -64,10 +78,11 @@ MAX_ONCE = 4096
 # What a `GET /asks/stream` subscriber may fall behind by before it is dropped.
 MAX_BACKLOG = 256
 
-# Set by a plane around a connection's setup task: whether its client has gone (then the
-# connection is ended, which cancels the task that waits). None where nothing can tell (a DNS
-# query, a request inside interception: those wait for the answer or the timeout).
-CLIENT_GONE: ContextVar[Callable[[], bool] | None] = ContextVar("egress_client_gone", default=None)
+# Set by a plane around a connection's setup task: the connection held while its task waits,
+# which can tell whether its client has gone (then the connection is ended, which cancels the
+# task that waits). None where nothing can tell (a DNS query, a request inside interception:
+# those wait for the answer or the timeout).
+HELD_CLIENT: ContextVar[HeldClient | None] = ContextVar("egress_held_client", default=None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,13 +247,17 @@ class Asks:
             return OVERLOADED, None
         if pending is None:
             pending = self._ask(question, target, entry, reason, protocol, plane, peer)
-        gone = CLIENT_GONE.get()
+        client = HELD_CLIENT.get()
         pending.held += 1
         self._held += 1
         self._holding[target] = self._holding.get(target, 0) + 1
         try:
-            return await _wait(pending.future, gone), pending.id
+            if client is not None:
+                client.held()
+            return await _wait(pending.future, client), pending.id
         finally:
+            if client is not None:
+                client.released()
             pending.held -= 1
             self._held -= 1
             left = self._holding.pop(target) - 1
@@ -377,17 +396,17 @@ def _client(peer: Peer) -> str | None:
     return authority(client[0], client[1])
 
 
-async def _wait(future: asyncio.Future[str], gone: Callable[[], bool] | None) -> str:
+async def _wait(future: asyncio.Future[str], client: HeldClient | None) -> str:
     """The shared answer (never cancelled by one waiter leaving), looking at the client every
     WATCH_SECONDS when a plane said how: a client gone ends its connection, which cancels the
     task waiting here."""
-    if gone is None:
+    if client is None:
         return await asyncio.shield(future)
     while True:
         done, _ = await asyncio.wait({future}, timeout=WATCH_SECONDS)
         if done:
             return future.result()
-        if gone():
+        if client.abandoned():
             # The plane ended the connection (cancelling this task); if it could not, the wait
             # goes on until the answer or the timeout.
             await asyncio.sleep(0)

@@ -31,7 +31,6 @@ import contextlib
 import logging
 import os
 import socket
-import time
 from typing import TYPE_CHECKING, Any
 
 from mitmproxy import options
@@ -42,7 +41,7 @@ from policy.dimensions import Plane, Stage
 from policy.reasons import Reason
 from proxy.common.errors import ProxyError
 from proxy.common.refusals import Refused
-from proxy.decide.events import CloseEvent
+from proxy.decide.closes import close_line
 from proxy.l7 import patches
 from proxy.l7.addons import STREAM_LARGE_BODIES, Pinning, PreferH2, RequestGate
 from proxy.l7.injector import CredentialInjector
@@ -318,28 +317,11 @@ class Engine:
             return
         self._live.discard(connection)
         connection.cancel_head_timer()
-        duration = time.monotonic() - connection.opened
-        counted = connection.counted
-        if self.metrics is not None:
-            self.metrics.connection_closed(Plane.L7, counted.up, counted.down, duration)
-        if self.audit is None:
-            return
         destination = connection.destination
-        self.audit.closed(
-            CloseEvent(
-                host=destination.host,
-                port=destination.port,
-                plane=Plane.L7,
-                protocol=connection.protocol,
-                client=destination.peer.client,
-                connection=destination.peer.connection,
-                sni=destination.sni,
-                ech=destination.ech,
-                upstream=connection.upstream,
-                bytes_up=counted.up,
-                bytes_down=counted.down,
-                duration=duration,
-                reason=connection.close_reason,
-                pinned=connection.pinned or None,
-            )
-        )
+        close_line(
+            self.metrics, self.audit, plane=Plane.L7, opened=connection.opened,
+            up=connection.counted.up, down=connection.counted.down,
+            reason=connection.close_reason, peer=destination.peer, protocol=connection.protocol,
+            host=destination.host, port=destination.port, sni=destination.sni,
+            ech=destination.ech, upstream=connection.upstream, pinned=connection.pinned,
+        )  # fmt: skip

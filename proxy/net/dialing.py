@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, cast
 
 from policy.reasons import Reason
 from proxy.common.refusals import authority, shown
+from proxy.net.flow import Hold, Reading
 
 if TYPE_CHECKING:
     from proxy.decide.events import MetricsSink
@@ -78,12 +79,14 @@ class Upstream(asyncio.Protocol):
     is kept (bounded: reading pauses past EARLY_LIMIT), and an EOF or a loss is remembered, so
     whoever takes the transport over knows where it stands. `forward_to` sends it on to the
     client instead, for a server that speaks first while the client's bytes are still being
-    decided."""
+    decided. `reading` is the transport's read side (proxy/net/flow.py), which whoever takes
+    the transport over takes with it."""
 
-    __slots__ = ("counter", "early", "eof", "lost", "lost_error", "sink", "transport")
+    __slots__ = ("counter", "early", "eof", "lost", "lost_error", "reading", "sink")
+
+    reading: Reading  # from connection_made on
 
     def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
         self.early = bytearray()
         self.eof = False
         self.lost = False
@@ -93,7 +96,7 @@ class Upstream(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, only alike.
-        self.transport = cast(asyncio.Transport, transport)
+        self.reading = Reading(cast(asyncio.Transport, transport))
 
     def data_received(self, data: bytes) -> None:
         sink = self.sink
@@ -101,12 +104,12 @@ class Upstream(asyncio.Protocol):
             sink.write(data)
             if self.counter is not None:
                 self.counter.down += len(data)
-            if sink.get_write_buffer_size() > EARLY_LIMIT and self.transport is not None:
-                self.transport.pause_reading()  # the relay resumes it when it takes over
+            if sink.get_write_buffer_size() > EARLY_LIMIT:
+                self.reading.pause(Hold.CLIENT_SLOW)  # until the relay takes it over
             return
         self.early += data
-        if len(self.early) > EARLY_LIMIT and self.transport is not None:
-            self.transport.pause_reading()
+        if len(self.early) > EARLY_LIMIT:
+            self.reading.pause(Hold.EARLY_FULL)
 
     def eof_received(self) -> bool:
         self.eof = True
@@ -135,8 +138,8 @@ class Upstream(asyncio.Protocol):
             counter.down += len(early)
         if self.eof:
             client.write_eof()
-        elif self.transport is not None:
-            self.transport.resume_reading()
+        else:
+            self.reading.resume(Hold.EARLY_FULL)
 
     def take_early(self) -> bytes:
         data = bytes(self.early)

@@ -3,8 +3,12 @@ the decided host, the port and the checked address the connection went to, so a 
 only ever reused for a request whose own decision pinned that very address.
 
     pool = Pool(loop)
-    reused = pool.take("up.test", 80, ("127.0.0.1",))   # (transport, address) or None
-    pool.put("up.test", 80, "127.0.0.1", transport)     # after a complete exchange
+    reused = pool.take("up.test", 80, ("127.0.0.1",))   # (reading, address) or None
+    pool.put("up.test", 80, "127.0.0.1", reading)       # after a complete exchange
+
+A connection travels with its transport's read side (proxy/net/flow.py `Reading`): the pool
+clears what the exchange held it for, since an idle connection must be read (a server's close
+is seen at once).
 
 Bounded: at most PER_KEY idle connections per key and TOTAL in all (the oldest goes first), each
 closed after IDLE seconds unused, and dropped the moment its server closes it or sends anything
@@ -17,6 +21,8 @@ import asyncio
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Final
+
+from proxy.net.flow import Reading
 
 # As many as a busy session keeps in flight to one place: a connection the pool cannot keep is
 # closed and a later request dials again (with 8 and 16 clients, half of all requests did).
@@ -32,12 +38,13 @@ type Key = tuple[str, int, str]
 class _Idle(asyncio.Protocol):
     """The protocol of a pooled transport: anything but silence drops it."""
 
-    __slots__ = ("key", "pool", "timer", "transport")
+    __slots__ = ("key", "pool", "reading", "timer", "transport")
 
-    def __init__(self, pool: Pool, key: Key, transport: asyncio.Transport) -> None:
+    def __init__(self, pool: Pool, key: Key, reading: Reading) -> None:
         self.pool = pool
         self.key = key
-        self.transport = transport
+        self.reading = reading
+        self.transport = reading.transport
         self.timer: asyncio.TimerHandle | None = None
 
     def data_received(self, data: bytes) -> None:
@@ -62,9 +69,7 @@ class Pool:
     def __len__(self) -> int:
         return len(self._idle)
 
-    def take(
-        self, host: str, port: int, addresses: Sequence[str]
-    ) -> tuple[asyncio.Transport, str] | None:
+    def take(self, host: str, port: int, addresses: Sequence[str]) -> tuple[Reading, str] | None:
         """The most recently pooled live connection to one of `addresses` (in their order), and
         the address; None when there is none. The caller sets its own protocol on it."""
         for address in addresses:
@@ -73,15 +78,16 @@ class Pool:
                 entry = entries[-1]
                 self._forget(entry)
                 if not entry.transport.is_closing():
-                    return entry.transport, address
+                    return entry.reading, address
         return None
 
-    def put(self, host: str, port: int, address: str, transport: asyncio.Transport) -> None:
+    def put(self, host: str, port: int, address: str, reading: Reading) -> None:
         """Keeps a connection whose last exchange ended cleanly, for a later request."""
+        transport = reading.transport
         if transport.is_closing():
             return
         key = (host, port, address)
-        entry = _Idle(self, key, transport)
+        entry = _Idle(self, key, reading)
         transport.set_protocol(entry)
         entries = self._by_key.setdefault(key, [])
         entries.append(entry)
@@ -91,7 +97,7 @@ class Pool:
             self.drop(entries[0])
         if len(self._idle) > TOTAL:
             self.drop(next(iter(self._idle)))
-        transport.resume_reading()  # a server's close must be seen while idle
+        reading.clear()  # a server's close must be seen while idle
 
     def drop(self, entry: _Idle) -> None:
         if self._forget(entry):

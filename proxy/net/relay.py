@@ -4,7 +4,7 @@ writes what it receives to the other transport; a tunnel that has moved `splice_
 bulk transfer and moves to `os.splice` (proxy/net/splice.py), where bytes no longer enter user
 space.
 
-    relay = Relay(loop, client_transport, upstream_transport, counter, idle_timeout, on_end)
+    relay = Relay(loop, client_reading, upstream_reading, counter, idle_timeout, on_end)
     relay.start(to_upstream=hello)      # the bytes the caller already read, first
     relay.close("policy_reload")        # from outside: both sides closed, on_end called
 
@@ -15,10 +15,13 @@ Semantics, the same in both modes:
 - A reset (or any error) on either side ends both; the other side is then reset as well
   (`SO_LINGER` 0), so a peer never mistakes a truncated stream for a complete one.
 - Idle timeout: when no byte has moved either way for `idle_timeout` seconds, both sides are
-  closed (`idle_timeout`). One timer per relay, re-armed only when it fires.
+  closed (`idle_timeout`). One timer per relay, re-armed only when it fires
+  (proxy/net/idle.py).
 - Flow control: when one transport's write buffer is full, the other stops reading until it
   has drained, so a slow reader holds the sender back and the relay holds at most one buffer's
-  worth per direction.
+  worth per direction. Each transport is paused and resumed through its `Reading`
+  (proxy/net/flow.py), the reason named (CLIENT_SLOW, UPSTREAM_SLOW, HANDOFF); the relay takes
+  the Readings its caller used (or makes them for bare transports) and clears what they held.
 - `on_end(reason)` is called exactly once, after both transports (or sockets) are closed; the
   counter holds the bytes moved, live while the relay runs.
 """
@@ -35,6 +38,8 @@ from typing import Any, Final
 
 from policy.reasons import Reason
 from proxy.net.bytecount import Counter
+from proxy.net.flow import Hold, Reading
+from proxy.net.idle import IdleTimer
 from proxy.net.splice import LINGER_RESET, SpliceRelay, splice_available
 
 logger = logging.getLogger(__name__)
@@ -58,23 +63,22 @@ class Relay:
     __slots__ = (
         "_down",
         "_ended",
+        "_idle",
         "_on_end",
         "_splice",
         "_splice_after",
-        "_timer",
         "_up",
         "_wants_splice",
         "counter",
         "idle_timeout",
-        "last_moved",
         "loop",
     )
 
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,
-        client: asyncio.Transport,
-        upstream: asyncio.Transport,
+        client: asyncio.Transport | Reading,
+        upstream: asyncio.Transport | Reading,
         counter: Counter,
         idle_timeout: float | None,
         on_end: Callable[[str], None],
@@ -86,13 +90,12 @@ class Relay:
         self.loop = loop
         self.counter = counter
         self.idle_timeout = idle_timeout
-        self.last_moved = loop.time()
+        self._idle = IdleTimer(loop, idle_timeout, self._idled)
         self._on_end = on_end
         self._splice_after = splice_after if splice_available() else None
-        self._up = _Side(self, client, is_up=True)  # reads the client, writes the upstream
-        self._down = _Side(self, upstream, is_up=False)
+        self._up = _Side(self, _reading(client), is_up=True)  # reads the client, writes upstream
+        self._down = _Side(self, _reading(upstream), is_up=False)
         self._up.peer, self._down.peer = self._down, self._up
-        self._timer: asyncio.TimerHandle | None = None
         self._splice: SpliceRelay | None = None
         self._wants_splice = False
         self._ended = False
@@ -117,13 +120,12 @@ class Relay:
             self._up.forward(to_upstream)
         if to_client:
             self._down.forward(to_client)
-        if self.idle_timeout is not None:
-            self._timer = self.loop.call_at(self.last_moved + self.idle_timeout, self._on_timer)
+        self._idle.start()
         for side, ended in ((self._up, client_eof), (self._down, upstream_eof)):
             if ended:
                 side.ended_sending()
             elif not self._ended:
-                side.transport.resume_reading()  # the caller may have paused it
+                side.reading.clear()  # what the caller held it for is the relay's now
         if not self._ended and self._splice_after == 0:
             self._to_splice()
 
@@ -143,26 +145,18 @@ class Relay:
         if self._ended:
             return
         self._ended = True
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._idle.stop()
         for side in (self._up, self._down):
             side.shut(how)
         self._on_end(reason)
 
-    def _on_timer(self) -> None:
-        assert self.idle_timeout is not None
-        deadline = self.last_moved + self.idle_timeout
-        if self.loop.time() < deadline:
-            self._timer = self.loop.call_at(deadline, self._on_timer)
-        else:
-            self._timer = None
-            self._end(Reason.IDLE_TIMEOUT, _DROP)
+    def _idled(self) -> None:
+        self._end(Reason.IDLE_TIMEOUT, _DROP)
 
     # -- events of the sides ---------------------------------------------------------------------
 
     def moved(self) -> None:
-        self.last_moved = self.loop.time()
+        self._idle.moved()
         limit = self._splice_after
         if limit is not None and self.counter.up + self.counter.down >= limit:
             self._wants_splice = True
@@ -213,10 +207,8 @@ class Relay:
             self._up.reattach()
             self._down.reattach()
             return
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        splice.last_moved = self.last_moved
+        self._idle.stop()
+        splice.idle.last_moved = self._idle.last_moved
         self._splice = splice
         for side in (self._up, self._down):
             side.drop_transport()
@@ -227,18 +219,24 @@ class Relay:
         self._on_end(reason)
 
 
+def _reading(transport: asyncio.Transport | Reading) -> Reading:
+    return transport if isinstance(transport, Reading) else Reading(transport)
+
+
 class _Side(asyncio.Protocol):
     """One transport of the relay: what it receives is written to the peer's transport."""
 
-    __slots__ = ("detached", "is_up", "paused_peer", "peer", "relay", "sent_eof", "transport")
+    __slots__ = ("detached", "is_up", "peer", "reading", "relay", "sent_eof", "slow", "transport")
 
-    def __init__(self, relay: Relay, transport: asyncio.Transport, *, is_up: bool) -> None:
+    def __init__(self, relay: Relay, reading: Reading, *, is_up: bool) -> None:
         self.relay = relay
-        self.transport = transport
+        self.reading = reading
+        self.transport = reading.transport  # read per chunk: one lookup, not two
         self.is_up = is_up
         self.peer: _Side = self
         self.sent_eof = False  # this side's sender has ended (its EOF passed on to the peer)
-        self.paused_peer = False
+        # Why the peer is not read while this side's transport cannot take more.
+        self.slow = Hold.CLIENT_SLOW if is_up else Hold.UPSTREAM_SLOW
         self.detached = False
 
     def forward(self, data: bytes) -> None:
@@ -265,6 +263,7 @@ class _Side(asyncio.Protocol):
 
     def ended_sending(self) -> None:
         self.sent_eof = True
+        self.reading.end()
         peer = self.peer.transport
         if peer.can_write_eof():
             peer.write_eof()  # after whatever is still buffered for it
@@ -276,16 +275,14 @@ class _Side(asyncio.Protocol):
         self.relay.side_lost(self, exc)
 
     def pause_writing(self) -> None:
-        # This side's transport is full: its peer stops reading until it has drained.
-        if not self.detached and not self.peer.sent_eof:
-            self.peer.transport.pause_reading()
-            self.paused_peer = True
+        # This side's transport is full: its peer stops reading until it has drained (a peer
+        # that has ended is not read anyway: its Reading knows).
+        if not self.detached:
+            self.peer.reading.pause(self.slow)
 
     def resume_writing(self) -> None:
-        if self.paused_peer and not self.detached:
-            self.paused_peer = False
-            if not self.peer.sent_eof:
-                self.peer.transport.resume_reading()
+        if not self.detached:
+            self.peer.reading.resume(self.slow)
         self.relay.drained()
 
     def shut(self, how: str) -> None:
@@ -303,7 +300,7 @@ class _Side(asyncio.Protocol):
         """A duplicate of the transport's socket, non-blocking, with reading paused; None when
         the socket cannot be had (the transport keeps it then)."""
         transport = self.transport
-        transport.pause_reading()
+        self.reading.pause(Hold.HANDOFF)
         raw = transport.get_extra_info("socket")
         try:
             fd = os.dup(raw.fileno())
@@ -314,8 +311,7 @@ class _Side(asyncio.Protocol):
         return sock
 
     def reattach(self) -> None:
-        if not self.sent_eof:
-            self.transport.resume_reading()
+        self.reading.resume(Hold.HANDOFF)
 
     def drop_transport(self) -> None:
         # The splice relay has its own descriptor of the socket: the transport's goes, and its

@@ -28,6 +28,7 @@ from typing import Final
 
 from policy.reasons import Reason
 from proxy.net.bytecount import Counter
+from proxy.net.idle import IdleTimer
 
 logger = logging.getLogger(__name__)
 
@@ -200,20 +201,19 @@ def _pipe_capacity(fd: int) -> int:
 
 
 class SpliceRelay:
-    """One tunnel in bulk mode. The timer is not pushed back on every chunk: moving bytes only
-    notes the time, and when the timer fires it either ends the relay or re-arms itself."""
+    """One tunnel in bulk mode. Its idle timer (proxy/net/idle.py) is not pushed back on every
+    chunk: moving bytes only notes the time."""
 
     __slots__ = (
         "_down",
         "_ended",
         "_on_end",
         "_pipe_size",
-        "_timer",
         "_up",
         "client",
         "counter",
+        "idle",
         "idle_timeout",
-        "last_moved",
         "loop",
         "upstream",
     )
@@ -234,12 +234,11 @@ class SpliceRelay:
         self.upstream = upstream
         self.counter = counter
         self.idle_timeout = idle_timeout
-        self.last_moved = loop.time()
+        self.idle = IdleTimer(loop, idle_timeout, self._idled)
         self._on_end = on_end
         self._pipe_size = pipe_size
         self._up = _Direction(client, upstream, True)
         self._down = _Direction(upstream, client, False)
-        self._timer: asyncio.TimerHandle | None = None
         self._ended = False
 
     def open_pipes(self, *, up_done: bool = False, down_done: bool = False) -> bool:
@@ -259,8 +258,7 @@ class SpliceRelay:
 
     def start(self) -> None:
         """Starts moving bytes (after `open_pipes`); the relay owns both sockets from here."""
-        if self.idle_timeout is not None:
-            self._timer = self.loop.call_at(self.last_moved + self.idle_timeout, self._on_timer)
+        self.idle.start()
         self._on_ready(self._up)
         self._on_ready(self._down)
         if self._up.done and self._down.done:
@@ -270,14 +268,8 @@ class SpliceRelay:
         """Ends the relay from outside (a reload, the drain): both sides closed."""
         self.finish(reason)
 
-    def _on_timer(self) -> None:
-        assert self.idle_timeout is not None
-        deadline = self.last_moved + self.idle_timeout
-        if self.loop.time() < deadline:
-            self._timer = self.loop.call_at(deadline, self._on_timer)
-        else:
-            self._timer = None
-            self.finish(Reason.IDLE_TIMEOUT)
+    def _idled(self) -> None:
+        self.finish(Reason.IDLE_TIMEOUT)
 
     def finish(self, reason: str) -> None:
         if self._ended:
@@ -285,9 +277,7 @@ class SpliceRelay:
         self._ended = True
         # Registrations go before any fd closes: a closed fd number can be reused at once, and
         # the loop would then watch (or drop) someone else's fd.
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self.idle.stop()
         for d in (self._up, self._down):
             self._unregister(d)
             d.close_pipe()
@@ -341,7 +331,7 @@ class SpliceRelay:
             return
         finally:
             if moved:
-                self.last_moved = self.loop.time()
+                self.idle.moved()
         # Steps used up or EAGAIN: readiness (level-triggered) calls back when it can go on.
         self._wait(d)
 
