@@ -76,6 +76,7 @@ class Responder:
         return await self.responder.answer(query, PEER)
 
     def lines(self) -> list[dict[str, Any]]:
+        self.audit.flush()  # what this loop iteration gathered is written when it ends
         return [json.loads(line) for line in self.stream.getvalue().splitlines()]
 
     def count(self, qtype: str, rcode: str) -> float:

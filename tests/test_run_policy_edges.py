@@ -23,7 +23,15 @@ from pathlib import Path
 import pytest
 import trustme
 from support.dns_server import DNSServer
-from support.running import HTTPUpstream, RunningProxy, curl, exchange, http_upstream, tcp_server
+from support.running import (
+    HTTPUpstream,
+    RunningProxy,
+    curl,
+    exchange,
+    http_upstream,
+    tcp_server,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration  # it opens sockets or starts processes
 
@@ -249,10 +257,12 @@ def test_the_proxy_never_talks_to_its_own_listeners(tmp_path: Path, dns: DNSServ
             status, headers = head_of(plain)
             assert (status, headers.get("x-egress-denied")) == (403, "proxy_loop"), plain
             assert b"egress_" not in plain  # nothing of /metrics came back
+        # Each connection's close line says why it ended (the last is written once the proxy
+        # saw the client go, which may be after the client read its answer).
+        wait_for(lambda: len(proxy.closes()) == 6, what="six close lines")
         lines = proxy.audit()
         loops = [x for x in lines if x["event"] == "decision" and x["reason"] == "proxy_loop"]
         assert len(loops) == 6 and {x["stage"] for x in loops} == {"address"}
-        # Each connection's close line says why it ended.
         closes = [x["reason"] for x in lines if x["event"] == "close"]
         assert closes.count("proxy_loop") == 6, closes
         assert not [x for x in proxy.audit() if x.get("decision") == "allow"]
