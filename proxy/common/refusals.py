@@ -23,6 +23,7 @@ __all__ = [
     "refusal_response",
     "refusal_ssh",
     "shown",
+    "too_slow",
     "upstream_refusal",
 ]
 
@@ -92,6 +93,14 @@ def shown(text: object, limit: int = _MAX_SHOWN) -> str:
 
 def authority(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def too_slow(what: str, seconds: float | None = None) -> Refused:
+    """The refusal of a client that did not send `what` (a request head, a ClientHello, ...)
+    within its time limit (`seconds`, when the message names it): 408, `header_timeout`, for
+    every listener and plane."""
+    limit = "the time limit" if seconds is None else f"{seconds:g}s"
+    return Refused(408, Reason.HEADER_TIMEOUT, f"no {what} within {limit}")
 
 
 def refusal_parts(

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, cast
 from policy.dimensions import Plane, Protocol, Stage
 from policy.reasons import Reason
 from proxy.common.errors import ProxyError
-from proxy.common.refusals import Refused, refusal_response, refusal_ssh
+from proxy.common.refusals import Refused, refusal_response, refusal_ssh, too_slow
 from proxy.dataplane.lifecycle import OWNED, SETTING_UP, Lifecycle, Mark, Phase
 from proxy.decide.asks import HELD_CLIENT
 from proxy.decide.closes import close_line
@@ -272,9 +272,7 @@ class Connection(asyncio.Protocol):
             return
         if self.task is not None and not self.task.done():
             self.task.cancel()
-        refused = refused or Refused(
-            408, Reason.HEADER_TIMEOUT, "no request head within the time limit"
-        )
+        refused = refused or too_slow("request head")
         self.refuse(refused, None, None, stage=Stage.ACCEPT)
 
     # -- answers and ends ----------------------------------------------------------------------

@@ -37,7 +37,7 @@ import httptools
 
 from policy.dimensions import Protocol, Stage
 from policy.reasons import Reason
-from proxy.common.refusals import Refused, refusal_response
+from proxy.common.refusals import Refused, refusal_response, too_slow
 from proxy.dataplane.http_forward import serve
 from proxy.dataplane.http_messages import (
     MAX_FIELDS,
@@ -447,7 +447,7 @@ class HttpPlane(asyncio.Protocol):
 
     def _head_expired(self) -> None:
         self.head_timer = None
-        refused = Refused(408, Reason.HEADER_TIMEOUT, "no whole request head within the time limit")
+        refused = too_slow("whole request head")
         self.refuse_unparsed(refused)
 
     def _idled(self) -> None:

@@ -43,7 +43,7 @@ from policy import PolicyError
 from policy.dimensions import Protocol, Stage
 from policy.hostnames import normalize_host
 from policy.reasons import Reason
-from proxy.common.refusals import Refused, authority, shown
+from proxy.common.refusals import Refused, authority, shown, too_slow
 from proxy.dataplane import streams
 from proxy.dataplane.connection import Connection
 from proxy.decide.events import Details
@@ -78,9 +78,7 @@ _REPLY_FOR_REASON: dict[str, int] = {
 # What a name's bytes may not hold: NUL and the other controls, DEL, anything not ASCII.
 _NOT_NAME_BYTE = re.compile(rb"[\x00-\x1f\x7f-\xff]")
 _NO_ADDRESS = b"\x01\x00\x00\x00\x00\x00\x00"  # ATYP IPv4, 0.0.0.0, port 0
-_TIMED_OUT = Refused(
-    408, Reason.HEADER_TIMEOUT, "no complete SOCKS5 greeting and request within the time limit"
-)
+_TIMED_OUT = too_slow("complete SOCKS5 greeting and request")
 
 
 def reply_code(refused: Refused) -> int:

@@ -26,8 +26,7 @@ from typing import TYPE_CHECKING, cast
 from policy.dimensions import Protocol, Stage
 from policy.hostnames import parse_ip_literal
 from policy.learning import LEARNABLE as LIFTED_BY_ENTRY
-from policy.reasons import Reason
-from proxy.common.refusals import Refused, authority
+from proxy.common.refusals import Refused, authority, too_slow
 from proxy.dataplane import tunnel
 from proxy.dataplane.http import HttpPlane
 from proxy.dataplane.tunnel import Dialled, dial_vetted, gate, relay
@@ -81,11 +80,7 @@ async def first_flight(connection: Connection, *, patient: bool) -> FirstFlight 
                 continue
             if connection.buffer:
                 return _final(connection.buffer)
-            return Refused(
-                408,
-                Reason.HEADER_TIMEOUT,
-                "nothing within the time limit (no ClientHello, request or stream began)",
-            )
+            return too_slow("first bytes (a ClientHello, a request or a stream)")
     return kind
 
 

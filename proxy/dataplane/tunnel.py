@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from policy.dimensions import Stage
 from policy.reasons import Reason
-from proxy.common.refusals import Refused, authority, upstream_refusal
+from proxy.common.refusals import Refused, authority, too_slow, upstream_refusal
 from proxy.decide.attribution import canonical_address
 from proxy.decide.events import NO_DETAILS, Details
 from proxy.decide.first_flight import FirstFlight
@@ -254,7 +254,7 @@ async def whole_hello(
                     return None
                 outcome = gate(connection.buffer)
     except TimeoutError:
-        refused = Refused(408, Reason.HEADER_TIMEOUT, "no ClientHello within the time limit")
+        refused = too_slow("ClientHello")
         return GateOutcome(None, refused)
     return outcome
 

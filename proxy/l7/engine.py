@@ -40,7 +40,7 @@ from mitmproxy.master import Master
 from policy.dimensions import Plane, Stage
 from policy.reasons import Reason
 from proxy.common.errors import ProxyError
-from proxy.common.refusals import Refused
+from proxy.common.refusals import too_slow
 from proxy.decide.closes import close_line
 from proxy.l7 import patches
 from proxy.l7.addons import STREAM_LARGE_BODIES, Pinning, PreferH2, RequestGate
@@ -299,11 +299,7 @@ class Engine:
         connection.head_timer = None
         destination = connection.destination
         try:
-            refused = Refused(
-                408,
-                Reason.HEADER_TIMEOUT,
-                f"no request head within {self.config.limits.header_timeout:g}s",
-            )
+            refused = too_slow("request head", self.config.limits.header_timeout)
             self.vetter.refusal(
                 refused, destination.peer, destination.host, destination.port,
                 connection.protocol, stage=Stage.ACCEPT,
