@@ -169,7 +169,12 @@ async def dial_vetted(
         raise refused from None
     address = transport.get_extra_info("peername")
     connection.upstream = authority(address[0], address[1])
-    return Dialled(transport, upstream, vetted, canonical_address(address[0]) or address[0])
+    # The peer is one of the checked addresses, in the resolver's canonical spelling, except
+    # where the socket spells it otherwise (an IPv4-mapped IPv6 peer): only then is it parsed.
+    dialled = address[0]
+    if dialled not in vetted.pinned:
+        dialled = canonical_address(dialled) or dialled
+    return Dialled(transport, upstream, vetted, dialled)
 
 
 async def gate(connection: Connection, name: str, port: int, vetted: Vetted, *, what: str) -> bool:
