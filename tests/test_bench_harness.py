@@ -672,8 +672,8 @@ def sample(
 def test_targets_are_ratios_to_squid_within_rounds() -> None:
     main = {
         "squid": [sample("squid", 0, 100, 1000, 26, 0.1), sample("squid", 1, 200, 2000, 26, 0.1)],
-        "egress-proxy": [sample("egress-proxy", 0, 110, 900, 29, 0.2),
-                         sample("egress-proxy", 1, 260, 1500, 29, 0.4)],
+        "egress-proxy": [sample("egress-proxy", 0, 110, 900, 31, 0.2),
+                         sample("egress-proxy", 1, 260, 1500, 31, 0.4)],
         "direct": [sample("direct", 0, 0, 9000, 0, 0), sample("direct", 1, 0, 8000, 0, 0)],
     }  # fmt: skip
     rows = {
@@ -687,8 +687,8 @@ def test_targets_are_ratios_to_squid_within_rounds() -> None:
     rate = rows["tunnels_per_s"]
     assert rate["ratio"] == pytest.approx(0.825) and rate["met"] is True  # 0.9 and 0.75
     assert rate["loadgen"] == 8500.0 and rate["loadgen_label"] == "direct"
-    # The largest RSS after traffic (30) against squid's idle RSS at start (26).
-    assert rows["idle_rss"]["ratio"] == pytest.approx(30 / 26) and rows["idle_rss"]["met"] is False
+    # The largest RSS after traffic (32) against squid's idle RSS at start (26): over 1.2x.
+    assert rows["idle_rss"]["ratio"] == pytest.approx(32 / 26) and rows["idle_rss"]["met"] is False
     assert rows["ready"]["value"] == pytest.approx(0.3) and rows["ready"]["met"] is True
     assert rows["cpu_per_request"]["met"] is None  # no HTTP figures: not judged
     assert rows["cpu_per_tunnel"]["tinyproxy_ratio"] is None  # no tinyproxy in this run

@@ -1,4 +1,5 @@
-"""The targets the data plane is judged by (issue 12), as ratios to squid measured in the same
+"""The targets the data plane is judged by (issue 12; its CPU and memory goals as issue 20 set
+them again), as ratios to squid measured in the same
 run: each a figure of the main rounds, a goal, and for every egress-proxy configuration the
 median over rounds of its figure divided by squid's in the same round, met or not. tinyproxy's
 ratio is reported beside, and the load generator's own figure (its rate against direct, its CPU
@@ -75,7 +76,7 @@ TARGETS = (
         "proxy CPU per tunnel, 16 clients (audit log and metrics on)",
         (*T16, "proxy_cpu_us_per_tunnel"),
         "<=",
-        1.2,
+        1.4,
         "µs",
         loadgen=((*T16, "client_cpu_us_per_tunnel"), (*T16, "upstream_cpu_us_per_tunnel")),
         needs_passthrough=True,
@@ -96,7 +97,7 @@ TARGETS = (
         "proxy CPU per plain-HTTP request (wrk, 16 connections)",
         ("http", "proxy_cpu_us_per_request"),
         "<=",
-        0.7,
+        1.2,
         "µs",
         loadgen=(("http", "client_cpu_us_per_request"), ("http", "origin_cpu_us_per_request")),
         loadgen_label="wrk + nginx",
@@ -118,11 +119,11 @@ TARGETS = (
         "idle RSS, the largest of: at start, after CONNECT, plain HTTP, SOCKS5, DNS",
         ("worst_rss_mb",),
         "<=",
-        1.15,
+        1.2,
         "MB",
         squid_path=("memory", "idle", "rss_mb"),
         excludes_engine=True,
-        goal_text="<= 1.15x squid's RSS at start",
+        goal_text="<= 1.2x squid's RSS at start",
     ),
     Target("ready", "ready: exec to /readyz 200", ("ready_s",), "<=", 0.3, "s", absolute=True),
     Target(
