@@ -45,6 +45,7 @@ from benchmarks.harness import (  # noqa: E402
     http_bench,
     loadgen,
     peers,
+    profiling,
     report,
     stats,
     summary,
@@ -818,3 +819,152 @@ def test_the_commands_run_from_anywhere_and_import_nothing_of_the_proxy(tmp_path
         capture_output=True, text=True, timeout=60, check=True, cwd=tmp_path,
     )  # fmt: skip
     assert result.stdout.strip() == "[]"
+
+
+# -- --profile: py-spy's raw files summarised, py-spy attached ----------------------------------
+
+STD = "/py/lib/python3.13"
+SITE = "/repo/.venv/lib/python3.13/site-packages"  # a checkout's virtualenv: third-party
+LOOP_BASE = (
+    "<module> (<string>:1);main (/repo/proxy/cli/__init__.py:10);"
+    f"run ({STD}/asyncio/runners.py:194);Runner.run ({STD}/asyncio/runners.py:118)"
+)
+RAW = f"""{LOOP_BASE} 40
+{LOOP_BASE};data_received (/repo/proxy/net/relay.py:50) 20
+{LOOP_BASE};data_received (/repo/proxy/net/relay.py:51);write (/repo/proxy/ops/audit.py:7);dumps ({STD}/json/__init__.py:231) 15
+{LOOP_BASE};decide (/repo/policy/trie.py:3);decide (/repo/policy/trie.py:4) 10
+{LOOP_BASE};handle (/repo/proxy/dataplane/tunnel.py:9);inc ({SITE}/prometheus_client/metrics.py:5) 5
+{LOOP_BASE};_step ({STD}/asyncio/tasks.py:1) 4
+ 3
+probe (/repo/proxy/probes.py:1) 3
+"""  # noqa: E501
+JUNK = [
+    "garbage",
+    "a frame without a count (/repo/proxy/x.py:1)",
+    "f (/repo/proxy/x.py:1) -5",
+    "f (/repo/proxy/x.py:1) 0",
+    "f (/repo/proxy/x.py:1) x12",
+    "f (/repo/proxy/x.py:1) 99999999999999999999",
+    ";; 7",
+    "no parentheses here;f (/repo/proxy/x.py:1) 3",
+    "f () 2",
+    "\x00\ufffd\ufffd 1",
+    "f (/repo/proxy/x.py:1) ٣",  # a digit, but not an ASCII one
+]
+
+
+def profile_places() -> Any:
+    return profiling.Places.of(["/repo"], stdlib=[STD])
+
+
+def test_a_raw_profile_is_summarised_by_area_and_by_function() -> None:
+    """Shares by the leaf frame's area (the event loop's own when the leaf is asyncio.run's
+    Runner.run), by the innermost frame of ours above the loop (never the CLI below it), and
+    functions by inclusive share (a recursive one counted once a sample) and by self share."""
+    summary = profiling.summarise([RAW], profile_places())
+    assert summary.samples == 100 and summary.skipped == 0
+    loop = profiling.LOOP
+    assert dict(summary.by_leaf) == {
+        loop: 40, "proxy/net": 20, profiling.STDLIB: 19, "policy": 10,
+        profiling.THIRD_PARTY: 5, profiling.NO_FRAME: 3, "proxy": 3,
+    }  # fmt: skip
+    assert dict(summary.by_ours) == {
+        loop: 40, "proxy/net": 20, "proxy/ops": 15, "policy": 10, "proxy/dataplane": 5,
+        profiling.STDLIB: 4, profiling.NO_FRAME: 3, "proxy": 3,
+    }  # fmt: skip
+    assert summary.inclusive["Runner.run (asyncio/runners.py)"] == 94
+    assert summary.inclusive["data_received (proxy/net/relay.py)"] == 35  # two lines, one name
+    assert summary.inclusive["decide (policy/trie.py)"] == 10  # recursive: once a sample
+    assert summary.inclusive["inc (prometheus_client/metrics.py)"] == 5
+    assert summary.own["Runner.run (asyncio/runners.py)"] == 40
+    assert summary.own["dumps (json/__init__.py)"] == 15
+    assert summary.own["decide (policy/trie.py)"] == 10
+    text = profiling.render({"egress-proxy": (summary, [("egress-proxy-round1.txt", 100)])})
+    assert "Not figures of record" in text
+    assert f"| {loop} | 40.0% | 40.0% |" in text
+    assert "| standard library | 19.0% | 4.0% |" in text
+    assert "| proxy/ops | 0.0% | 15.0% |" in text
+    inclusive, own = text.split("by inclusive share")[1].split("by self share")
+    # Four frames are on 94 stacks (ties in name order), one of them the loop's leaf.
+    assert "| 2 | `Runner.run (asyncio/runners.py)` | 94.0% | 40.0% |" in inclusive
+    assert "| 5 | `data_received (proxy/net/relay.py)` | 35.0% | 20.0% |" in inclusive
+    assert "| 1 | `Runner.run (asyncio/runners.py)` | 40.0% | 94.0% |" in own
+    assert "| 3 | `dumps (json/__init__.py)` | 15.0% | 15.0% |" in own
+
+
+def test_a_raw_profile_with_junk_lines_skips_them_one_by_one() -> None:
+    stacks, skipped = profiling.parse_raw("\n".join([*JUNK, RAW, *JUNK, "", "   "]))
+    assert skipped == 2 * len(JUNK)
+    assert sum(stacks.values()) == 100
+    summary = profiling.summarise(["\n".join(JUNK), RAW, "\x00" * 100], profile_places())
+    assert summary.samples == 100 and summary.skipped == len(JUNK) + 1
+    text = profiling.render({"egress-proxy": (summary, [])})
+    assert f"{len(JUNK) + 1} line(s) of them did not read" in text
+    empty = profiling.render({"egress-proxy": (profiling.summarise([""], profile_places()), [])})
+    assert "No samples." in empty
+    assert "No egress-proxy process was profiled" in profiling.render({})
+
+
+def fake_pyspy(tmp_path: Path, dump: str) -> str:
+    """A py-spy that answers --version and whose dump prints `dump` and fails."""
+    script = tmp_path / "py-spy"
+    script.write_text(
+        '#!/bin/sh\nif [ "$1" = --version ]; then echo "py-spy 0.4.3"; exit 0; fi\n'
+        f"echo '{dump}' >&2\nexit 1\n"
+    )
+    script.chmod(0o755)
+    return str(script)
+
+
+def test_profile_is_refused_at_start_without_a_py_spy_that_can_read_a_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    denied = fake_pyspy(tmp_path, "Error: Operation not permitted (os error 1)")
+    with pytest.raises(profiling.Unavailable, match=r"Operation not permitted.*ptrace"):
+        profiling.Profiler.start(tmp_path / "prof", binary=denied)
+    for found, said in ((None, "py-spy is not installed"), (denied, "needs ptrace")):
+        monkeypatch.setattr(profiling, "find_pyspy", lambda found=found: found)
+        code = bench.main(["--configs", "egress-proxy", "--profile", str(tmp_path / "p")])
+        err = capsys.readouterr().err
+        assert code == 2 and "bench: cannot run: --profile: " in err and said in err
+        assert "Traceback" not in err
+
+
+def test_py_spy_records_a_ready_process_and_its_files_are_summarised(tmp_path: Path) -> None:
+    """A real py-spy (the bench extra) on a Python child of the test, as on a proxy: attached,
+    waited for once the child exits, its file summarised into PROFILE.md."""
+    binary = profiling.find_pyspy()
+    if binary is None:
+        pytest.skip("py-spy is not installed (`make bench-deps`)")
+    try:
+        profiler = profiling.Profiler.start(tmp_path / "prof", binary)
+    except profiling.Unavailable as exc:
+        pytest.skip(str(exc))
+    code = (
+        "import json, sys, time\nprint('up', flush=True)\nend = time.monotonic() + 1.0\n"
+        "while time.monotonic() < end:\n    json.dumps(list(range(200)))\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    assert child.stdout is not None and child.stdout.readline() == b"up\n"
+    assert profiler.attach(child.pid, "egress-proxy", "round1") is None
+    assert child.wait(timeout=30) == 0
+    child.stdout.close()
+    assert profiler.finish() == [] and profiler.finish() == []
+    files = profiler.files()
+    assert [p.name for p in files["egress-proxy"]] == ["egress-proxy-round1.txt"]
+    with (profiler.directory / "egress-proxy-round1.txt").open("a") as raw:
+        raw.write("junk\n")
+    text = profiler.write([ROOT]).read_text()
+    assert "## egress-proxy" in text and "`egress-proxy-round1.txt`" in text
+    assert "json/encoder.py" in text and "1 line(s) of them did not read" in text
+
+
+def test_a_profiled_run_says_its_figures_are_not_of_record() -> None:
+    profile = {"of_record": False, "why": profiling.NOT_OF_RECORD, "summary": "/p/PROFILE.md"}
+    document = summary.build_document(
+        context.QUICK, True, ["egress-proxy"], {"egress-proxy": egress.BUILTIN["egress-proxy"]},
+        ["tunnels"], {"nproc": 2}, {}, [], [], {"main": []}, 1.0, profile,
+    )  # fmt: skip
+    assert json.loads(json.dumps(document))["profile"]["of_record"] is False
+    head = report.render(document, [], None).split("\n## ")[0]
+    assert "**Not figures of record**" in head and "/p/PROFILE.md" in head

@@ -180,7 +180,7 @@ def _run_by_client(run: Run, directory: Path) -> Run:
     return dataclasses.replace(run, loadgen=dataclasses.replace(run.loadgen, binary=binary))
 
 
-def _measure(run: Run, config: str, directory: Path) -> dict[str, Any]:
+def _measure(run: Run, config: str, directory: Path, label: str) -> dict[str, Any]:
     """On the namespace's thread: the SSH first flight and the TLS ClientHello to bench.test's
     address, through `config`'s transparent listener (direct: straight to the upstream)."""
     inside: Namespace = run.namespace
@@ -203,6 +203,7 @@ def _measure(run: Run, config: str, directory: Path) -> dict[str, Any]:
     egress.write_inputs(directory, chosen, base, port)
     proxy = egress.start(chosen, directory, run.env, int(inside.upstream["tunnel"]))
     try:
+        run.profiled(proxy.pid, config, label)
         if proxy.dns_port is None:
             raise RuntimeError(f"{config} has no DNS listener")
         address = resolve(proxy.dns_port, HOST)  # once: the proxy now attributes it
@@ -240,9 +241,11 @@ def audit_counts(log: Path) -> dict[str, int]:
     return dict(counts)
 
 
-def attributed_workload(run: Run, config: str, directory: Path) -> dict[str, Any]:
+def attributed_workload(
+    run: Run, config: str, directory: Path, label: str = "attributed"
+) -> dict[str, Any]:
     """The attributed workload of `config` (an egress-proxy configuration with listeners, or
-    direct), run inside the run's namespace."""
+    direct), run inside the run's namespace (its proxy profiled under `label` with --profile)."""
     if run.namespace is None:
         raise RuntimeError("the attributed workload's namespace is not set up")
-    return run.namespace.call(_measure, run, config, directory)
+    return run.namespace.call(_measure, run, config, directory, label)

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 from .egress import EgressConfig, write_inputs
 from .loadgen import Loadgen
 from .peers import OriginTLS, PeerStatus, Served
+from .profiling import Profiler
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -156,11 +157,18 @@ class Run:
     log: Callable[[str], None] = print
     # The attributed workload's network namespace (attributed.Namespace), when it runs.
     namespace: Any = None
+    profiler: Profiler | None = None  # --profile: py-spy on every egress-proxy process
     problems: list[str] = dataclasses.field(default_factory=list)
 
     def problem(self, message: str) -> None:
         self.problems.append(message)
         self.log(f"PROBLEM: {message}")
+
+    def profiled(self, pid: int, config: str, label: str) -> None:
+        """With --profile, py-spy attached to the egress-proxy process `pid` of `config`, just
+        ready (its samples in DIR/<config>-<label>.txt)."""
+        if self.profiler is not None and (why := self.profiler.attach(pid, config, label)):
+            self.problem(why)
 
     def wants(self, workload: str) -> bool:
         return workload in self.workloads

@@ -7,6 +7,8 @@ the others, side by side in one run, on loopback only (benchmarks/README.md).
     .venv/bin/python benchmarks/bench.py --baseline-tree /tmp/ep-baseline --configs \\
         direct,egress-proxy,squid                # A/B against another checkout, same rounds
     .venv/bin/python -m benchmarks.harness.report benchmarks/results/bench.json   # report again
+    .venv/bin/python benchmarks/bench.py --configs egress-proxy --workloads tunnels --rounds 1 \\
+        --profile /tmp/prof                      # py-spy on every egress-proxy: PROFILE.md
 
 Load generators: benchmarks/harness/loadgen.c (built with the machine's gcc) for tunnels, SOCKS5,
 bulk and intercepted HTTPS, with its own upstream; wrk for plain HTTP against nginx; dnspython for
@@ -17,7 +19,7 @@ Every figure comes with the proxy's CPU per unit of work (utime+stime from /proc
 record on a shared machine. Everything talks to 127.0.0.1 only; every phase is bounded in count
 and time. Progress goes to stderr; the report to stdout and `--out` (bench.json, REPORT.md,
 plots). Exit code 1 when a measurement failed (listed under "Problems"), 2 when the run could
-not start (bad options, no gcc).
+not start (bad options, no gcc, --profile without a py-spy that can read a process here).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from . import attributed, egress, peers, proc, stats
+from . import attributed, egress, peers, proc, profiling, stats
 from .context import FULL, MIB, QUICK, Run, Settings
 from .loadgen import SSH_FLIGHT, Loadgen, Unavailable, build, upstream, write_targets
 from .rounds import dns_round, main_round, scale_round, sessions_round, start_config
@@ -128,6 +130,13 @@ def parse(
         help="bench.json, REPORT.md and plots go here (default benchmarks/results; with "
         "--quick benchmarks/results/tmp/quick)",
     )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        metavar="DIR",
+        help="py-spy samples every egress-proxy process the run starts into DIR, summarised in "
+        "DIR/PROFILE.md (the run's figures are then not of record)",
+    )
     args = parser.parse_args(argv)
     settings = QUICK if args.quick else FULL
     changes: dict[str, Any] = {}
@@ -202,7 +211,7 @@ def rounds(run: Run, configs: Sequence[str], samples: dict[str, list[dict[str, A
     for config in configs:
         if s.warm_pass == "all" or config in run.egress:
             with contextlib.suppress(RuntimeError):  # the rounds report it
-                proxy = start_config(run, config, run.tmp / "warm" / config)
+                proxy = start_config(run, config, run.tmp / "warm" / config, "warm")
                 if proxy is not None:
                     proxy.stop()
     log(f"warm-up pass done ({s.warm_pass} started and stopped once)")
@@ -292,6 +301,7 @@ def measure(
     statuses: dict[str, peers.PeerStatus],
     configs: list[str],
     notes: list[str],
+    profiler: profiling.Profiler | None = None,
 ) -> tuple[Run, list[str], dict[str, list[dict[str, Any]]]]:
     """Everything the run needs, set up on loopback, then every round: the run, the
     configurations that ran, the samples."""
@@ -321,6 +331,7 @@ def measure(
         tls_ca=ca_file,
         wrk=statuses["wrk"].binary if statuses["wrk"].available else None,
         log=log,
+        profiler=profiler,
     )
     if {"opaque", "attributed"} & set(args.workloads):
         run.opaque_targets = write_targets(tmp / "opaque.bin", [HOST], flight=SSH_FLIGHT)
@@ -345,11 +356,35 @@ def measure(
     return run, configs, samples
 
 
+def profile_of(
+    profiler: profiling.Profiler, run: Run, chosen: dict[str, egress.EgressConfig]
+) -> dict[str, Any]:
+    """After the run: every py-spy waited for (its failures are problems of the run), then
+    PROFILE.md written; what bench.json says of it."""
+    for problem in profiler.finish():
+        run.problem(problem)
+    roots = {proc.ROOT, *(c.tree for c in chosen.values() if c.tree is not None)}
+    where = profiler.write(roots, [f"Command: `{proc.command()}`.", ""])
+    return {
+        "of_record": False,
+        "why": profiling.NOT_OF_RECORD,
+        "directory": str(profiler.directory),
+        "summary": str(where),
+        "files": {c: [p.name for p in paths] for c, paths in profiler.files().items()},
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args, settings, chosen = parse(argv)
     out_dir = args.out or (proc.RESULTS / ("tmp/quick" if args.quick else ""))
+    profiler = None
     try:
+        if args.profile is not None:
+            profiler = profiling.Profiler.start(args.profile)
         loadgen = build()
+    except profiling.Unavailable as exc:
+        log(f"bench: cannot run: --profile: {exc}")
+        return 2
     except Unavailable as exc:
         log(f"bench: cannot run: {exc}")
         return 2
@@ -363,9 +398,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for note in notes:
         log(f"note: {note}")
     with contextlib.ExitStack() as stack:
+        if profiler is not None:  # the last to run: after every proxy has stopped
+            stack.callback(profiler.finish)
         run, configs, samples = measure(
-            stack, args, settings, chosen, loadgen, statuses, configs, notes
+            stack, args, settings, chosen, loadgen, statuses, configs, notes, profiler
         )
+    profile = profile_of(profiler, run, chosen) if profiler is not None else None
     elapsed = time.perf_counter() - began
     with contextlib.suppress(OSError):
         info["loadavg_at_end"] = Path("/proc/loadavg").read_text().split()[:3]
@@ -382,13 +420,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         run.problems,
         samples,
         elapsed,
+        profile,
     )
     from . import report
 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(document, indent=1) + "\n")
     print(report.write(document, out_dir))
-    log(f"wrote {out_dir / 'bench.json'}, {out_dir / 'REPORT.md'} and the plots in {elapsed:.0f} s")
+    wrote = f"{out_dir / 'bench.json'}, {out_dir / 'REPORT.md'} and the plots"
+    if profile is not None:
+        wrote += f"; the profile in {profile['summary']} (these figures are not of record)"
+    log(f"wrote {wrote} in {elapsed:.0f} s")
     return 1 if run.problems else 0
 
 

@@ -433,9 +433,14 @@ def render(document: Mapping[str, Any], plots: Sequence[str], plot_note: str | N
     summary = document["summary"]
     versions = ", ".join(f"{k} {v}" for k, v in m.get("versions", {}).items() if v)
     configs = ", ".join(f"`{c}`" for c in s["configs"])
-    lines = [
-        "# Benchmark report: egress-proxy against squid and its peers",
-        "",
+    lines = ["# Benchmark report: egress-proxy against squid and its peers", ""]
+    if profile := document.get("profile"):
+        lines += [
+            f"**Not figures of record**: this run was {profile.get('why')}. Where the CPU "
+            f"went: `{profile.get('summary')}`.",
+            "",
+        ]
+    lines += [
         f"{document['mode'].capitalize()} run of {document['date']}, "
         f"{document['elapsed_s']:.0f} s: `{document['command']}`. {s['rounds']} interleaved "
         f"round(s) of {configs}, in that order each round; medians over rounds.",

@@ -41,8 +41,9 @@ SCALE_SEED = 20_240_501  # the hostname stream of benchmarks/policy_decide.py (d
 SESSION_START_WORKERS = 2  # proxies started at once in the sessions workload (2 CPUs here)
 
 
-def start_config(run: Run, config: str, directory: Path) -> Running | None:
-    """The proxy of `config` started in `directory` and ready (None for direct)."""
+def start_config(run: Run, config: str, directory: Path, label: str) -> Running | None:
+    """The proxy of `config` started in `directory` and ready (None for direct); an egress-proxy
+    one profiled under `label` with --profile."""
     if config == "direct":
         return None
     directory.mkdir(parents=True, exist_ok=True)
@@ -51,7 +52,9 @@ def start_config(run: Run, config: str, directory: Path) -> Running | None:
         chosen = run.egress[config]
         if not (directory / chosen.manifest_file).exists():
             run.write_inputs(directory, chosen)
-        return egress.start(chosen, directory, run.env, probe)
+        proxy = egress.start(chosen, directory, run.env, probe)
+        run.profiled(proxy.pid, config, label)
+        return proxy
     return peers.start_peer(run.statuses[config], directory, DOMAINS, run.env, run.tmp, probe)
 
 
@@ -158,7 +161,8 @@ class _Round:
             self.config == "direct" or (chosen is not None and passthrough and chosen.listeners)
         ):
             where = directory / "attributed"
-            measure = lambda: attributed_workload(run, self.config, where)  # noqa: E731
+            label = f"attributed-round{self.n + 1}"
+            measure = lambda: attributed_workload(run, self.config, where, label)  # noqa: E731
             self.phase("attributed", measure, None)
         if target := inspected(run, self.config):
             measure = lambda: inspect_workload(run, proxy, directory, *target)  # noqa: E731
@@ -186,7 +190,7 @@ def main_round(run: Run, config: str, n: int) -> dict[str, Any]:
     directory.mkdir(parents=True, exist_ok=True)
     sample: dict[str, Any] = {"config": config, "round": n}
     try:
-        proxy = start_config(run, config, directory)
+        proxy = start_config(run, config, directory, f"round{n + 1}")
     except RuntimeError as exc:
         run.problem(f"round {n + 1} {config}: did not start: {exc}")
         return {**sample, "error": str(exc)}
@@ -234,6 +238,7 @@ def scale_round(run: Run, size: int, n: int) -> dict[str, Any]:
         run.problem(f"scale {size:,} rules round {n + 1}: did not start: {exc}")
         return {**sample, "error": str(exc)}
     try:
+        run.profiled(proxy.pid, "egress-proxy", f"scale{size}-round{n + 1}")
         sample.update(ready_s=proxy.ready_s, first_connect_s=proxy.first_connect_s)
         sample["startup_cpu_s"] = proc_cpu(proxy.pid)
         sample["idle"] = checkpoint(run, proxy)
@@ -269,7 +274,7 @@ def dns_round(run: Run, config: str, n: int) -> dict[str, Any]:
     for name in cold:
         run.dns.set(name, a=[LOOPBACK], ttl=3600)
     try:
-        proxy = start_config(run, config, directory)
+        proxy = start_config(run, config, directory, f"dns{n + 1}")
     except RuntimeError as exc:
         run.problem(f"{label}: did not start: {exc}")
         return {**sample, "error": str(exc)}
@@ -319,7 +324,7 @@ def sessions_round(run: Run, config: str, n: int) -> dict[str, Any]:
         if time.perf_counter() > deadline:
             return
         try:
-            proxy = start_config(run, config, base / f"s{i}")
+            proxy = start_config(run, config, base / f"s{i}", f"session{i + 1}")
         except RuntimeError as exc:
             with lock:
                 errors.append(str(exc)[:300])

@@ -212,8 +212,10 @@ def build_document(
     problems: Sequence[str],
     samples: Mapping[str, Sequence[Mapping[str, Any]]],
     elapsed: float,
+    profile: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    return {
+    """The run's JSON document. `profile`: a --profile run's (its figures are not of record)."""
+    document = {
         "benchmark": "bench",
         "command": command(),
         "mode": "quick" if quick else "full",
@@ -235,3 +237,6 @@ def build_document(
         "summary": summaries(samples, egress),
         "samples": {k: list(v) for k, v in samples.items()},
     }
+    if profile is not None:
+        document["profile"] = dict(profile)
+    return document
