@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .report import label, ratio
+from .cells import label, ratio
 
 Series = tuple[str, Sequence[float | None], Sequence[float | None]]
 SHORT = {"mitmdump": "mitmdump", "direct": "direct"}

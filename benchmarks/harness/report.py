@@ -16,48 +16,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .cells import cell, label, ratio, table, with_unit
+
 Row = Mapping[str, Any]
-LABELS = {
-    "direct": "direct (no proxy)",
-    "tinyproxy": "tinyproxy",
-    "privoxy": "privoxy",
-    "squid": "squid",
-    "mitmdump": "mitmdump (no policy)",
-}
-UNIT_FORMATS = {"µs": ",.0f", "/s": ",.0f", "MB/s": ",.0f", "s/GiB": ".2f", "MB": ".1f", "s": ".3f"}
-
-
-def cell(value: Any, fmt: str, suffix: str = "") -> str:
-    if value is None or isinstance(value, bool) or not isinstance(value, int | float):
-        return "-"
-    if value != value:  # NaN
-        return "-"
-    return format(value, fmt) + suffix
-
-
-def ratio(value: Any) -> str:
-    """0.012x, 0.53x, 15.4x, 268x: two significant digits at least."""
-    if cell(value, "g") == "-":
-        return "-"
-    digits = 3 if abs(value) < 0.1 else 2 if abs(value) < 10 else 1 if abs(value) < 100 else 0
-    return f"{value:,.{digits}f}x"
-
-
-def table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def label(config: str) -> str:
-    if config.isdigit():
-        return f"{int(config):,} rules"
-    return LABELS.get(config, config)
-
-
-def with_unit(value: Any, unit: str) -> str:
-    text = cell(value, UNIT_FORMATS.get(unit, ".3g"))
-    return text if text == "-" else f"{text} {unit}" if unit != "/s" else f"{text}/s"
 
 
 # --------------------------------------------------------------------------------------------
