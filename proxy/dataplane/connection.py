@@ -33,7 +33,7 @@ from proxy.common.refusals import Refused, refusal_response, refusal_ssh, too_sl
 from proxy.dataplane.lifecycle import OWNED, SETTING_UP, Lifecycle, Mark, Phase
 from proxy.decide.asks import HELD_CLIENT
 from proxy.decide.closes import close_line
-from proxy.decide.events import NO_DETAILS, Details
+from proxy.decide.events import NO_DETAILS, CloseEvent, Details
 from proxy.decide.interception import Destination
 from proxy.decide.vetting import Peer, next_connection_id
 from proxy.net.bytecount import Counter
@@ -430,12 +430,14 @@ class Connection(asyncio.Protocol):
         door.forget(self)
         self.count_open()
         counter = self.counter
-        close_line(
-            door.metrics, door.audit, plane=Plane.L4, opened=self.opened, up=counter.up,
-            down=counter.down, reason=reason, peer=self.peer, protocol=self.protocol,
-            host=self.host, port=self.port, sni=self.sni, ech=self.ech, upstream=self.upstream,
-            pinned=self.pinned, attribution=self.attribution, attributed=self.attributed,
+        event = CloseEvent(
+            host=self.host, port=self.port, plane=Plane.L4, protocol=self.protocol,
+            client=self.peer.client, connection=self.peer.connection, sni=self.sni,
+            ech=self.ech, upstream=self.upstream, bytes_up=counter.up, bytes_down=counter.down,
+            duration=time.monotonic() - self.opened, reason=reason, pinned=self.pinned or None,
+            attribution=self.attribution, attributed=self.attributed,
         )  # fmt: skip
+        close_line(door.metrics, door.audit, event)
 
     # -- the socket itself ------------------------------------------------------------------------
 

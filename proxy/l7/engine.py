@@ -31,6 +31,7 @@ import contextlib
 import logging
 import os
 import socket
+import time
 from typing import TYPE_CHECKING, Any
 
 from mitmproxy import options
@@ -42,6 +43,7 @@ from policy.reasons import Reason
 from proxy.common.errors import ProxyError
 from proxy.common.refusals import too_slow
 from proxy.decide.closes import close_line
+from proxy.decide.events import CloseEvent
 from proxy.l7 import patches
 from proxy.l7.addons import STREAM_LARGE_BODIES, Pinning, PreferH2, RequestGate
 from proxy.l7.injector import CredentialInjector
@@ -314,10 +316,13 @@ class Engine:
         self._live.discard(connection)
         connection.cancel_head_timer()
         destination = connection.destination
-        close_line(
-            self.metrics, self.audit, plane=Plane.L7, opened=connection.opened,
-            up=connection.counted.up, down=connection.counted.down,
-            reason=connection.close_reason, peer=destination.peer, protocol=connection.protocol,
-            host=destination.host, port=destination.port, sni=destination.sni,
-            ech=destination.ech, upstream=connection.upstream, pinned=connection.pinned,
+        peer, counted = destination.peer, connection.counted
+        event = CloseEvent(
+            host=destination.host, port=destination.port, plane=Plane.L7,
+            protocol=connection.protocol, client=peer.client, connection=peer.connection,
+            sni=destination.sni, ech=destination.ech, upstream=connection.upstream,
+            bytes_up=counted.up, bytes_down=counted.down,
+            duration=time.monotonic() - connection.opened, reason=connection.close_reason,
+            pinned=connection.pinned or None,
         )  # fmt: skip
+        close_line(self.metrics, self.audit, event)
