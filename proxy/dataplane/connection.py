@@ -30,7 +30,7 @@ from policy.dimensions import Plane, Protocol, Stage
 from policy.reasons import Reason
 from proxy.common.errors import ProxyError
 from proxy.common.refusals import Refused, refusal_response, refusal_ssh, too_slow
-from proxy.dataplane.lifecycle import OWNED, SETTING_UP, Lifecycle, Mark, Phase
+from proxy.dataplane.lifecycle import NOTHING_TO_END, SETTING_UP, Lifecycle, Mark, Phase
 from proxy.decide.asks import HELD_CLIENT
 from proxy.decide.closes import close_line
 from proxy.decide.events import NO_DETAILS, CloseEvent, Details
@@ -144,7 +144,7 @@ class Connection(asyncio.Protocol):
         self.lost()
         self._wake()
         self.cancel_timer()
-        if self.life.phase in OWNED or self.life.phase is Phase.CLOSED:
+        if self.life.phase in NOTHING_TO_END:
             return
         if self.task is not None and not self.task.done():
             self.task.cancel()  # its setup cannot go on without the client
@@ -376,7 +376,7 @@ class Connection(asyncio.Protocol):
         logger.error("egress: the front door failed on a connection", exc_info=exc)
         refused = Refused(403, Reason.INTERNAL_ERROR, f"internal error: {type(exc).__name__}")
         try:
-            if self.life.phase in OWNED or self.life.phase is Phase.CLOSED:
+            if self.life.phase in NOTHING_TO_END:
                 vetter = self.door.vetter
                 vetter.refusal(refused, self.peer, None, None, self.protocol, stage=Stage.ENGINE)
                 return

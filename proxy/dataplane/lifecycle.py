@@ -65,7 +65,16 @@ from typing import Final
 from policy.reasons import Reason
 from proxy.common.errors import ProxyError
 
-__all__ = ["ENDED", "MOVES", "OWNED", "SETTING_UP", "Lifecycle", "Mark", "Phase"]
+__all__ = [
+    "ENDED",
+    "MOVES",
+    "NOTHING_TO_END",
+    "OWNED",
+    "SETTING_UP",
+    "Lifecycle",
+    "Mark",
+    "Phase",
+]
 
 
 class Phase(enum.IntEnum):
@@ -94,13 +103,14 @@ SETTING_UP: Final = frozenset({Phase.ACCEPTED, Phase.SETUP, Phase.HELD, Phase.CL
 OWNED: Final = frozenset({Phase.SERVED, Phase.RELAYED, Phase.HANDED})
 # Ending or ended: its transport is closing or closed.
 ENDED: Final = frozenset({Phase.REFUSED, Phase.CLOSING, Phase.CLOSED})
+# Nothing for the front door to end: an owner has the transport, or the close line is written.
+NOTHING_TO_END: Final = OWNED | {Phase.CLOSED}
 
-_ENDS: Final = frozenset({Phase.REFUSED, Phase.CLOSING, Phase.CLOSED})
 MOVES: Final[Mapping[Phase, frozenset[Phase]]] = {
-    Phase.ACCEPTED: _ENDS | {Phase.SETUP, Phase.SERVED},
-    Phase.SETUP: _ENDS | {Phase.HELD, Phase.CLASSIFYING, Phase.RELAYED, Phase.HANDED},
-    Phase.HELD: _ENDS | {Phase.SETUP},
-    Phase.CLASSIFYING: _ENDS | {Phase.SETUP, Phase.SERVED, Phase.RELAYED, Phase.HANDED},
+    Phase.ACCEPTED: ENDED | {Phase.SETUP, Phase.SERVED},
+    Phase.SETUP: ENDED | {Phase.HELD, Phase.CLASSIFYING, Phase.RELAYED, Phase.HANDED},
+    Phase.HELD: ENDED | {Phase.SETUP},
+    Phase.CLASSIFYING: ENDED | {Phase.SETUP, Phase.SERVED, Phase.RELAYED, Phase.HANDED},
     Phase.SERVED: frozenset({Phase.RELAYED, Phase.CLOSED}),
     Phase.RELAYED: frozenset({Phase.CLOSED}),
     Phase.HANDED: frozenset(),
