@@ -544,9 +544,7 @@ def run(
 
 def _asks(limits: Limits, audit: AuditLog | None, metrics: Metrics) -> Asks:
     return Asks(
-        AskLimits(
-            timeout=limits.ask_timeout, max_pending=limits.max_asks, max_held=limits.max_held
-        ),
+        AskLimits.of(limits),
         audit=audit.write if audit is not None else None,
         count=metrics.ask,
     )

@@ -30,11 +30,12 @@ from collections import OrderedDict
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from policy.asking import ANSWERS, SESSION_ANSWERS, Question, SessionGrants
 from policy.dimensions import Plane, Protocol
 from proxy.common.refusals import authority
+from proxy.common.settings import Limits
 from proxy.decide.events import MAX_FIELD, MAX_PATH, timestamp
 
 
@@ -85,12 +86,23 @@ MAX_BACKLOG = 256
 HELD_CLIENT: ContextVar[HeldClient | None] = ContextVar("egress_held_client", default=None)
 
 
+# The operator's limits (`limits.ask_timeout`, `max_asks`, `max_held`) as they default.
+_LIMITS: Final = Limits()
+
+
 @dataclass(frozen=True, slots=True)
 class AskLimits:
-    timeout: float = 30.0
-    max_pending: int = 64
-    max_held: int = 256
+    timeout: float = _LIMITS.ask_timeout
+    max_pending: int = _LIMITS.max_asks
+    max_held: int = _LIMITS.max_held
     max_grants: int = 4096
+
+    @classmethod
+    def of(cls, limits: Limits) -> AskLimits:
+        """The ask limits of an operator config's `limits`."""
+        return cls(
+            timeout=limits.ask_timeout, max_pending=limits.max_asks, max_held=limits.max_held
+        )
 
 
 @dataclass(slots=True)
